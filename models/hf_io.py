@@ -1,0 +1,199 @@
+"""Hugging Face directory <-> our model: config.json + model.safetensors (+ tokenizer files).
+
+Every artifact in the chain is a normal HF Llama directory, so `AutoModelForCausalLM.from_pretrained`
+can open any stage's output and any Llama-family HF checkpoint can be a teacher. Only safetensors are
+read; nothing is unpickled.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from models.errors import SmeltError
+from models.llama import LlamaConfig, Transformer
+
+_LAYER_MAP = {
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_TOP_MAP = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
+_HF_LAYER_MAP = {v: k for k, v in _LAYER_MAP.items()}
+_HF_TOP_MAP = {v: k for k, v in _TOP_MAP.items()}
+
+
+def to_hf_name(name: str, layer_index: dict[str, int] | None = None) -> str:
+    """Our parameter/module name -> HF name. `layer_index` renumbers layers (after depth pruning)."""
+    m = re.match(r"layers\.(\d+)\.(.+?)(\.weight|\.bias)?$", name)
+    if m:
+        i = layer_index[m.group(1)] if layer_index else int(m.group(1))
+        return f"model.layers.{i}.{_LAYER_MAP[m.group(2)]}{m.group(3) or ''}"
+    head, _, tail = name.partition(".")
+    return _TOP_MAP[head] + ("." + tail if tail else "")
+
+
+def from_hf_name(name: str) -> str:
+    m = re.match(r"model\.layers\.(\d+)\.(.+?)(\.weight|\.bias)?$", name)
+    if m:
+        if m.group(2) not in _HF_LAYER_MAP:
+            raise SmeltError(f"unexpected tensor {name} (not a Llama-family checkpoint?)")
+        return f"layers.{m.group(1)}.{_HF_LAYER_MAP[m.group(2)]}{m.group(3) or ''}"
+    for hf, ours in _HF_TOP_MAP.items():
+        if name == hf or name.startswith(hf + "."):
+            return ours + name[len(hf):]
+    raise SmeltError(f"unexpected tensor {name} (not a Llama-family checkpoint?)")
+
+
+def config_to_hf(cfg: LlamaConfig, n_layers: int | None = None) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_hidden,
+        "num_hidden_layers": n_layers if n_layers is not None else cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        # Both spellings: transformers >= 5 reads rope_parameters, older readers (and vLLM) rope_theta.
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": cfg.bos_id,
+        "eos_token_id": cfg.eos_id,
+        "torch_dtype": "float32",
+    }
+
+
+def config_from_hf(d: dict) -> LlamaConfig:
+    arch = (d.get("architectures") or ["?"])[0]
+    if d.get("model_type") not in ("llama", "mistral", "qwen2") and arch != "LlamaForCausalLM":
+        raise SmeltError(f"config.json model_type={d.get('model_type')!r} is not a Llama-family model")
+    if d.get("attention_bias") or d.get("mlp_bias"):
+        raise SmeltError("config.json: attention_bias/mlp_bias are not supported by models.llama")
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise SmeltError(f"config.json: rope_type={rope.get('rope_type')!r} is not supported (default only)")
+    theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+    eos = d.get("eos_token_id")
+    return LlamaConfig(
+        dim=d["hidden_size"], n_layers=d["num_hidden_layers"], n_heads=d["num_attention_heads"],
+        n_kv_heads=d.get("num_key_value_heads", d["num_attention_heads"]), vocab_size=d["vocab_size"],
+        ffn_hidden=d["intermediate_size"], head_dim=d.get("head_dim"), norm_eps=d.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta), max_seq_len=d.get("max_position_embeddings", 2048),
+        tie_embeddings=bool(d.get("tie_word_embeddings", False)), bos_id=d.get("bos_token_id"),
+        eos_id=eos[0] if isinstance(eos, list) else eos,
+    )
+
+
+def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """Our weights under HF names, layers renumbered 0..n-1 in order, tied lm_head omitted."""
+    layer_index = {k: i for i, k in enumerate(sorted(model.layers.keys(), key=int))}
+    out = {}
+    for name, t in model.state_dict().items():
+        if name == "output.weight" and model.cfg.tie_embeddings:
+            continue
+        out[to_hf_name(name, layer_index)] = t.detach().contiguous()
+    return out
+
+
+def save_hf(model: Transformer, out_dir: str | Path, tokenizer=None, dtype: torch.dtype | None = None,
+            extra_config: dict | None = None) -> None:
+    """Write config.json, model.safetensors and tokenizer files into an existing directory."""
+    out_dir = Path(out_dir)
+    sd = hf_state_dict(model)
+    if dtype is not None:
+        sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+    save_file({k: v.cpu() for k, v in sd.items()}, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    cfg = config_to_hf(model.cfg, n_layers=len(model.layers))
+    if dtype is not None:
+        cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    cfg.update(extra_config or {})
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out_dir))
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    if list(model_dir.glob("*.bin")) or list(model_dir.glob("*.pt")):
+        raise SmeltError(f"{model_dir} holds only pickle weights (.bin/.pt); smelt loads safetensors only")
+    raise SmeltError(f"{model_dir} has no model.safetensors")
+
+
+def read_hf_config(model_dir: str | Path) -> dict:
+    p = Path(model_dir) / "config.json"
+    if not p.is_file():
+        raise SmeltError(f"{model_dir} has no config.json (not a Hugging Face model directory)")
+    return json.loads(p.read_text())
+
+
+def load_hf(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
+    """Build our model from an HF Llama directory; every tensor's shape is checked by name."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise SmeltError(f"model directory {model_dir} does not exist")
+    cfg = config_from_hf(read_hf_config(model_dir))
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = {k: v for k, v in model.state_dict().items()}
+    loaded: dict[str, torch.Tensor] = {}
+    for f in _safetensors_files(model_dir):
+        with safe_open(str(f), framework="pt") as sf:
+            for hf_name in sf.keys():
+                if hf_name.endswith("rotary_emb.inv_freq"):
+                    continue
+                name = from_hf_name(hf_name)
+                if name not in expected:
+                    raise SmeltError(f"{f.name}: tensor {hf_name} has no place in the model "
+                                     f"(config.json says {cfg.n_layers} layers)")
+                t = sf.get_tensor(hf_name)
+                if tuple(t.shape) != tuple(expected[name].shape):
+                    raise SmeltError(f"{f.name}: {hf_name} has shape {tuple(t.shape)}, config.json implies "
+                                     f"{tuple(expected[name].shape)}")
+                loaded[name] = t.to(dtype)
+    if cfg.tie_embeddings:
+        loaded.pop("output.weight", None)
+        expected.pop("output.weight", None)
+    missing = sorted(set(expected) - set(loaded))
+    if missing:
+        raise SmeltError(f"{model_dir}: checkpoint is missing {missing[0]}"
+                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    model = model.to_empty(device=device)
+    model.load_state_dict(loaded, strict=False, assign=True)
+    if cfg.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    model.init_rope(device)
+    return model
+
+
+def load_tokenizer(model_dir: str | Path):
+    from transformers import AutoTokenizer
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+        raise SmeltError(f"{model_dir} has no tokenizer files (tokenizer.json)")
+    return AutoTokenizer.from_pretrained(str(model_dir))

