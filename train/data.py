@@ -1,0 +1,174 @@
+"""Corpora and token windows for every stage.
+
+Corpora (read from `../shared/data`, or $SMELT_DATA):
+  wikitext2-valid  calibration and training text
+  wikitext2-test   evaluation only (the `en` bucket); never calibrate or train on it
+  zh               Chinese technical prose (the `zh` bucket)
+  code             a fixed, recorded list of Python standard-library modules (the `code` bucket)
+
+Every window starts with BOS, as the model sees text at the start of a conversation, so calibration
+statistics and evaluation both include the attention-sink position.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from models.errors import SmeltError
+
+REPO = Path(__file__).resolve().parent.parent
+# Fixed list for the code bucket: plain, well-commented pure-Python modules present in every CPython.
+CODE_FILES = ("functools.py", "argparse.py", "heapq.py", "bisect.py", "textwrap.py", "json/decoder.py",
+              "json/encoder.py", "statistics.py", "fractions.py", "shlex.py")
+CORPUS_FILES = {"wikitext2-valid": "wikitext2/valid.txt", "wikitext2-test": "wikitext2/test.txt",
+                "zh": "zh/compression_notes.txt"}
+BUCKETS = {"en": "wikitext2-test", "zh": "zh", "code": "code"}
+TRAIN_CORPORA = ("wikitext2-valid",)  # what calibration/training may read; eval-only text is refused
+
+
+def data_dir() -> Path:
+    d = Path(os.environ.get("SMELT_DATA", REPO.parent / "shared" / "data"))
+    if not d.is_dir():
+        raise SmeltError(f"data directory {d} does not exist (set SMELT_DATA to the shared data folder)")
+    return d
+
+
+def code_bucket_files() -> list[Path]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [stdlib / f for f in CODE_FILES]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise SmeltError(f"code bucket source {missing[0]} is missing from this Python's stdlib")
+    return files
+
+
+@lru_cache(maxsize=None)
+def read_corpus(name: str) -> str:
+    if name == "code":
+        return "\n\n".join(f.read_text(encoding="utf-8") for f in code_bucket_files())
+    if name not in CORPUS_FILES:
+        raise SmeltError(f"unknown corpus {name!r} (known: {', '.join([*CORPUS_FILES, 'code'])})")
+    path = data_dir() / CORPUS_FILES[name]
+    if not path.is_file():
+        raise SmeltError(f"corpus file {path} does not exist")
+    return path.read_text(encoding="utf-8")
+
+
+def corpus_record(name: str) -> dict:
+    """What a manifest records about a corpus: its source files and a hash of the text."""
+    text = read_corpus(name)
+    rec = {"corpus": name, "sha256": hashlib.sha256(text.encode()).hexdigest()}
+    if name == "code":
+        rec["python"] = sys.version.split()[0]
+        rec["files"] = list(CODE_FILES)
+    else:
+        rec["file"] = CORPUS_FILES[name]
+    return rec
+
+
+_TOKEN_CACHE: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def corpus_tokens(tokenizer, name: str) -> torch.Tensor:
+    """The whole corpus as one 1-D int64 tensor (no special tokens)."""
+    key = (id(tokenizer), name)
+    if key not in _TOKEN_CACHE:
+        ids = tokenizer(read_corpus(name), add_special_tokens=False)["input_ids"]
+        _TOKEN_CACHE[key] = torch.tensor(ids, dtype=torch.long)
+    return _TOKEN_CACHE[key]
+
+
+def bos_id(tokenizer) -> int:
+    if tokenizer.bos_token_id is None:
+        raise SmeltError("tokenizer has no BOS token; windows need one")
+    return int(tokenizer.bos_token_id)
+
+
+def _with_bos(chunks: torch.Tensor, bos: int) -> torch.Tensor:
+    return torch.cat([torch.full((chunks.shape[0], 1), bos, dtype=torch.long), chunks], dim=1)
+
+
+def calibration_windows(tokenizer, n: int, seq_len: int, seed: int = 0,
+                        corpus: str = "wikitext2-valid") -> torch.Tensor:
+    """[n, seq_len] windows at seeded random offsets of a training corpus, BOS first."""
+    if corpus not in TRAIN_CORPORA:
+        raise SmeltError(f"calibration corpus {corpus!r} is not allowed (use one of {TRAIN_CORPORA}); "
+                         f"evaluation text must never be calibrated on")
+    if n <= 0 or seq_len < 2:
+        raise SmeltError(f"calibration needs n >= 1 and seq_len >= 2 (got n={n}, seq_len={seq_len})")
+    ids = corpus_tokens(tokenizer, corpus)
+    span = seq_len - 1
+    if len(ids) <= span:
+        raise SmeltError(f"corpus {corpus} has {len(ids)} tokens, fewer than seq_len={seq_len}")
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(ids) - span, (n,), generator=g)
+    return _with_bos(torch.stack([ids[s:s + span] for s in starts.tolist()]), bos_id(tokenizer))
+
+
+def eval_windows(tokenizer, bucket: str, n: int, seq_len: int) -> torch.Tensor:
+    """[<=n, seq_len] non-overlapping windows spread evenly over a bucket's text, BOS first."""
+    if bucket not in BUCKETS:
+        raise SmeltError(f"unknown eval bucket {bucket!r} (known: {', '.join(BUCKETS)})")
+    ids = corpus_tokens(tokenizer, BUCKETS[bucket])
+    span = seq_len - 1
+    total = len(ids) // span
+    if total == 0:
+        raise SmeltError(f"bucket {bucket} has {len(ids)} tokens, fewer than seq_len={seq_len}")
+    picks = torch.linspace(0, total - 1, min(n, total)).round().long().unique()
+    chunks = ids[: total * span].view(total, span)[picks]
+    return _with_bos(chunks, bos_id(tokenizer))
+
+
+@dataclass
+class TokenStream:
+    """Packed training sequences from a training corpus, in a seeded shuffled order, resumable.
+
+    Each item is [seq_len + 1] tokens (BOS + text) so inputs = x[:-1], labels = x[1:]. `state_dict`
+    is (epoch, position); restoring it continues at exactly the same sample.
+    """
+    tokens: torch.Tensor
+    seq_len: int
+    bos: int
+    seed: int = 0
+    epoch: int = 0
+    position: int = 0
+    _order: torch.Tensor | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_corpus(cls, tokenizer, seq_len: int, seed: int = 0, corpus: str = "wikitext2-valid"):
+        if corpus not in TRAIN_CORPORA:
+            raise SmeltError(f"training corpus {corpus!r} is not allowed (use one of {TRAIN_CORPORA})")
+        return cls(corpus_tokens(tokenizer, corpus), seq_len, bos_id(tokenizer), seed)
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.tokens) // self.seq_len
+
+    def _epoch_order(self) -> torch.Tensor:
+        if self._order is None:
+            g = torch.Generator().manual_seed(self.seed * 100003 + self.epoch)
+            self._order = torch.randperm(self.n_chunks, generator=g)
+        return self._order
+
+    def next_batch(self, batch_size: int) -> torch.Tensor:
+        rows = []
+        for _ in range(batch_size):
+            if self.position >= self.n_chunks:
+                self.epoch, self.position, self._order = self.epoch + 1, 0, None
+            i = int(self._epoch_order()[self.position])
+            self.position += 1
+            rows.append(self.tokens[i * self.seq_len:(i + 1) * self.seq_len])
+        return _with_bos(torch.stack(rows), self.bos)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position, self.seed, self._order = state["epoch"], state["position"], state["seed"], None
