@@ -1,0 +1,53 @@
+"""Data: seeded calibration windows, evaluation windows from eval-only text, resumable streams."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.errors import SmeltError
+from train.data import (CODE_FILES, TokenStream, calibration_windows, corpus_record, corpus_tokens,
+                        eval_windows)
+
+
+def test_calibration_windows_are_seeded_and_start_with_bos(byte_tokenizer):
+    a = calibration_windows(byte_tokenizer, 6, 64, seed=1)
+    b = calibration_windows(byte_tokenizer, 6, 64, seed=1)
+    c = calibration_windows(byte_tokenizer, 6, 64, seed=2)
+    assert a.shape == (6, 64) and torch.equal(a, b) and not torch.equal(a, c)
+    assert (a[:, 0] == byte_tokenizer.bos_token_id).all()
+    assert (a[:, 1:] != byte_tokenizer.bos_token_id).all()
+
+
+def test_calibration_refuses_evaluation_text(byte_tokenizer):
+    with pytest.raises(SmeltError, match="never be calibrated"):
+        calibration_windows(byte_tokenizer, 2, 16, corpus="wikitext2-test")
+    with pytest.raises(SmeltError, match="n >= 1"):
+        calibration_windows(byte_tokenizer, 0, 16)
+
+
+def test_eval_windows_come_from_the_bucket_text(byte_tokenizer):
+    w = eval_windows(byte_tokenizer, "en", 4, 32)
+    test_ids = corpus_tokens(byte_tokenizer, "wikitext2-test")
+    assert w.shape == (4, 32) and (w[:, 0] == 1).all()
+    assert torch.equal(w[0, 1:], test_ids[:31])  # the first window starts at the start of the split
+    zh = eval_windows(byte_tokenizer, "zh", 2, 32)
+    assert "压缩" in open(__import__("train.data", fromlist=["x"]).data_dir() / "zh/compression_notes.txt").read()
+    assert zh.shape == (2, 32)
+    with pytest.raises(SmeltError, match="unknown eval bucket"):
+        eval_windows(byte_tokenizer, "fr", 2, 32)
+
+
+def test_code_bucket_records_its_files():
+    rec = corpus_record("code")
+    assert rec["files"] == list(CODE_FILES) and len(rec["sha256"]) == 64 and rec["python"]
+
+
+def test_token_stream_resumes_at_the_same_sample(byte_tokenizer):
+    s = TokenStream.from_corpus(byte_tokenizer, seq_len=32, seed=3)
+    s.next_batch(5)
+    state = s.state_dict()
+    want = s.next_batch(4)
+    r = TokenStream.from_corpus(byte_tokenizer, seq_len=32, seed=3)
+    r.load_state_dict(state)
+    assert torch.equal(r.next_batch(4), want)
+    assert want.shape == (4, 33) and (want[:, 0] == 1).all()
