@@ -1,0 +1,136 @@
+"""Distillation losses: forward KL, reverse KL, skew KL, Jensen-Shannon; temperature; optional CE mix.
+
+With p the teacher's and q the student's distribution at temperature T:
+  forward_kl  KL(p || q)                  mode-covering; the default (what "match the teacher" means)
+  reverse_kl  KL(q || p)                  mode-seeking
+  skew_kl     KL(p || a*p + (1-a)*q)      DistiLLM's skewed KL: bounded, stabler early in training
+  js          (KL(p||m) + KL(q||m)) / 2,  m = (p + q) / 2
+The divergence is multiplied by T^2 so gradient magnitudes do not shrink as T grows (Hinton et al.).
+
+Memory: the fp32 [tokens x vocab] probabilities (vocab 49k-128k) are never all alive at once. The loss
+runs token chunk by token chunk; each chunk's gradient w.r.t. the student logits is computed right
+away (autograd on the chunk) and kept in the logits' own dtype, and backward only scales it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.errors import SmeltError
+
+KINDS = ("forward_kl", "reverse_kl", "skew_kl", "js")
+
+
+def _kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """Per-row KL(p || q) from log-probabilities (0 * log 0 treated as 0)."""
+    return (logp.exp() * (logp - logq)).sum(-1)
+
+
+def divergence(kind: str, s_logits: torch.Tensor, t_logits: torch.Tensor, temperature: float = 1.0,
+               skew_alpha: float = 0.1) -> torch.Tensor:
+    """Per-token divergence [N] (already scaled by T^2) between teacher and student logits [N, V]."""
+    logq = F.log_softmax(s_logits.float() / temperature, dim=-1)
+    logp = F.log_softmax(t_logits.float() / temperature, dim=-1)
+    if kind == "forward_kl":
+        d = _kl(logp, logq)
+    elif kind == "reverse_kl":
+        d = _kl(logq, logp)
+    elif kind == "skew_kl":
+        logm = torch.logaddexp(logp + torch.log(torch.tensor(skew_alpha)),
+                               logq + torch.log1p(torch.tensor(-skew_alpha)))
+        d = _kl(logp, logm)
+    elif kind == "js":
+        logm = torch.logaddexp(logp, logq) - torch.log(torch.tensor(2.0))
+        d = 0.5 * (_kl(logp, logm) + _kl(logq, logm))
+    else:
+        raise SmeltError(f"distill.loss={kind!r} is not one of {', '.join(KINDS)}")
+    return d * temperature ** 2
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    """sum over tokens of w_kd * D(teacher, student) + w_ce * CE, gradient precomputed per chunk."""
+
+    @staticmethod
+    def forward(ctx, s_logits, t_logits, labels, kind, temperature, skew_alpha, ce_weight, chunk):
+        n = s_logits.shape[0]
+        grad = torch.empty_like(s_logits) if s_logits.requires_grad else None
+        total = s_logits.new_zeros((), dtype=torch.float32)
+        kl_sum = s_logits.new_zeros((), dtype=torch.float32)
+        ce_sum = s_logits.new_zeros((), dtype=torch.float32)
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            with torch.enable_grad():
+                x = s_logits[s:e].detach().requires_grad_(grad is not None)
+                d = divergence(kind, x, t_logits[s:e], temperature, skew_alpha)
+                valid = labels[s:e] != -100 if labels is not None else None
+                if valid is not None:
+                    d = d * valid
+                loss = d.sum()
+                if ce_weight > 0 and labels is not None:
+                    ce = F.cross_entropy(x.float(), labels[s:e], ignore_index=-100, reduction="sum")
+                    loss = loss + ce_weight * ce
+                    ce_sum += ce.detach()
+            if grad is not None:
+                (g,) = torch.autograd.grad(loss, x)
+                grad[s:e] = g.to(grad.dtype)
+            total += loss.detach()
+            kl_sum += d.detach().sum()
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(kl_sum, ce_sum)
+        return total, kl_sum, ce_sum
+
+    @staticmethod
+    def backward(ctx, g_total, _g_kl, _g_ce):
+        (grad,) = ctx.saved_tensors
+        return (grad * g_total.to(grad.dtype) if grad is not None else None,) + (None,) * 7
+
+
+@dataclass
+class DistillLossConfig:
+    kind: str = "forward_kl"
+    temperature: float = 1.0
+    skew_alpha: float = 0.1    # only for skew_kl
+    ce_weight: float = 0.0     # weight of next-token cross-entropy added to the divergence
+    chunk_tokens: int = 1024   # tokens per chunk: bounds the fp32 [chunk x vocab] working set
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise SmeltError(f"distill.loss.kind={self.kind!r} is not one of {', '.join(KINDS)}")
+        if not self.temperature > 0:
+            raise SmeltError(f"distill.loss.temperature={self.temperature} must be > 0")
+        if not 0 < self.skew_alpha < 1:
+            raise SmeltError(f"distill.loss.skew_alpha={self.skew_alpha} must be in (0, 1)")
+        if self.ce_weight < 0:
+            raise SmeltError(f"distill.loss.ce_weight={self.ce_weight} must be >= 0")
+        if self.chunk_tokens < 1:
+            raise SmeltError(f"distill.loss.chunk_tokens={self.chunk_tokens} must be >= 1")
+
+
+class DistillLoss(nn.Module):
+    """Mean over (non-ignored) tokens of the configured divergence, plus ce_weight * CE.
+
+    forward(student_logits [..., V], teacher_logits [..., V], labels [...] or None) ->
+    (loss, {"kd": mean divergence, "ce": mean CE (if ce_weight > 0)}).
+    """
+
+    def __init__(self, cfg: DistillLossConfig | None = None):
+        super().__init__()
+        self.cfg = cfg or DistillLossConfig()
+
+    def forward(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                labels: torch.Tensor | None = None):
+        if student_logits.shape[-1] != teacher_logits.shape[-1]:
+            raise SmeltError(f"student vocab {student_logits.shape[-1]} != teacher vocab "
+                             f"{teacher_logits.shape[-1]}")
+        v = student_logits.shape[-1]
+        s, t = student_logits.reshape(-1, v), teacher_logits.detach().reshape(-1, v)
+        lab = labels.reshape(-1) if labels is not None else None
+        n_tok = (lab != -100).sum().clamp_min(1) if lab is not None else torch.tensor(s.shape[0])
+        c = self.cfg
+        total, kd, ce = _ChunkedLoss.apply(s, t, lab, c.kind, c.temperature, c.skew_alpha, c.ce_weight,
+                                           c.chunk_tokens)
+        n_tok = n_tok.to(total.device, total.dtype)
+        return total / n_tok, {"kd": (kd / n_tok).detach(), "ce": (ce / n_tok).detach()}
