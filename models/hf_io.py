@@ -151,20 +151,19 @@ def read_hf_config(model_dir: str | Path) -> dict:
     return json.loads(p.read_text())
 
 
-def load_hf(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
-    """Build our model from an HF Llama directory; every tensor's shape is checked by name."""
+def read_hf_state(model_dir: str | Path, cfg: LlamaConfig, dtype: torch.dtype = torch.float32
+                  ) -> dict[str, torch.Tensor]:
+    """{our name: tensor} from an HF directory's safetensors, every name and shape checked against cfg."""
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise SmeltError(f"model directory {model_dir} does not exist")
-    cfg = config_from_hf(read_hf_config(model_dir))
     with torch.device("meta"):
-        model = Transformer(cfg)
-    expected = {k: v for k, v in model.state_dict().items()}
+        expected = Transformer(cfg).state_dict()
+    if cfg.tie_embeddings:
+        expected.pop("output.weight")
     loaded: dict[str, torch.Tensor] = {}
     for f in _safetensors_files(model_dir):
         with safe_open(str(f), framework="pt") as sf:
             for hf_name in sf.keys():
-                if hf_name.endswith("rotary_emb.inv_freq"):
+                if hf_name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and hf_name == "lm_head.weight"):
                     continue
                 name = from_hf_name(hf_name)
                 if name not in expected:
@@ -175,15 +174,37 @@ def load_hf(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: s
                     raise SmeltError(f"{f.name}: {hf_name} has shape {tuple(t.shape)}, config.json implies "
                                      f"{tuple(expected[name].shape)}")
                 loaded[name] = t.to(dtype)
-    if cfg.tie_embeddings:
-        loaded.pop("output.weight", None)
-        expected.pop("output.weight", None)
     missing = sorted(set(expected) - set(loaded))
     if missing:
         raise SmeltError(f"{model_dir}: checkpoint is missing {missing[0]}"
                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return loaded
+
+
+@torch.no_grad()
+def copy_state_into(model: Transformer, state: dict[str, torch.Tensor]) -> None:
+    """Copy full tensors into the model's parameters, which may be FSDP2 DTensor shards."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, t in state.items():
+        p = params[name]
+        if hasattr(p, "device_mesh"):
+            from torch.distributed.tensor import distribute_tensor
+
+            t = distribute_tensor(t.to(p.device, p.dtype), p.device_mesh, p.placements)
+        p.copy_(t.to(p.dtype) if not hasattr(t, "device_mesh") else t)
+
+
+def load_hf(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
+    """Build our model from an HF Llama directory; every tensor's shape is checked by name."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise SmeltError(f"model directory {model_dir} does not exist")
+    cfg = config_from_hf(read_hf_config(model_dir))
+    state = read_hf_state(model_dir, cfg, dtype)
+    with torch.device("meta"):
+        model = Transformer(cfg)
     model = model.to_empty(device=device)
-    model.load_state_dict(loaded, strict=False, assign=True)
+    model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.init_rope(device)

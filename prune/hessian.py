@@ -1,0 +1,90 @@
+"""Inverse-Hessian factors for OBS-style pruning (SparseGPT, exact OBS).
+
+For a linear layer the layer-wise loss ||X W^T - X W_hat^T||^2 has Hessian H = X^T X ([in, in], the
+caller accumulates it over calibration tokens). Pruning needs H^-1; we factor in float64 because
+X^T X of real activations is badly conditioned and fp32 Cholesky fails or loses the small pivots.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from models.errors import SmeltError
+
+_RETRIES = 4  # with percdamp > 0: try damp, 10x, 100x, 1000x before giving up
+
+
+def check_hessian(H: torch.Tensor, in_features: int | None = None) -> None:
+    """H must be a finite float [in, in] matrix with some calibration signal in it."""
+    square = H.ndim == 2 and H.shape[0] == H.shape[1]
+    if not square or (in_features is not None and H.shape[0] != in_features):
+        want = f"[{in_features}, {in_features}]" if in_features is not None else "[in, in]"
+        raise SmeltError(f"Hessian shape {tuple(H.shape)} must be [in_features, in_features] = {want}")
+    if not H.is_floating_point():
+        raise SmeltError(f"Hessian dtype {H.dtype} must be floating point (fp32 or fp64)")
+    if not bool(torch.isfinite(H).all()):
+        raise SmeltError("Hessian has NaN/inf entries; check the calibration activations")
+    if not bool(H.any()):
+        raise SmeltError("no calibration data: the Hessian is all zeros (accumulate X^T X over calibration inputs)")
+
+
+def _check_percdamp(percdamp: float) -> None:
+    if not (math.isfinite(percdamp) and percdamp >= 0):
+        raise SmeltError(f"dampening percdamp={percdamp} must be a finite number >= 0 (e.g. 0.01)")
+
+
+def _factor(H: torch.Tensor, percdamp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lower Cholesky factor (float64) of H + damp*I, dead inputs patched; returns (L, dead)."""
+    check_hessian(H)
+    _check_percdamp(percdamp)
+    H64 = H.detach().to(torch.float64, copy=True)
+    diag = H64.diagonal()  # a view: writes below patch H64
+    # An input that was zero on every calibration token has an all-zero row/column: make it the identity
+    # there so H stays invertible; the caller zeros those weights (their removal costs nothing).
+    dead = diag == 0
+    diag[dead] = 1.0
+    scale = diag.mean()
+    singular = SmeltError("Hessian is singular; set dampening > 0 (percdamp, e.g. 0.01) or use more "
+                          "calibration tokens")
+    if percdamp == 0:
+        # Cholesky can "succeed" on rounding noise, so use the numerical-rank rule instead: singular when
+        # lambda_min <= n * eps(H.dtype) * lambda_max, i.e. within the rounding error H was stored with.
+        ev = torch.linalg.eigvalsh(H64)
+        if ev[0] <= H.shape[0] * torch.finfo(H.dtype).eps * ev[-1]:
+            raise singular
+    damp = percdamp * scale
+    for _ in range(_RETRIES):
+        A = H64.clone()
+        A.diagonal().add_(damp)
+        L, info = torch.linalg.cholesky_ex(A)
+        if int(info) == 0:
+            return L, dead
+        if percdamp == 0:
+            raise singular
+        damp = damp * 10  # not PD (e.g. an fp16-accumulated H): more damping trades accuracy for stability
+    raise SmeltError(f"Hessian is not positive definite even with dampening "
+                     f"{float(damp / 10 / scale):.3g} x mean(diag); check the calibration statistics")
+
+
+def dampened_inverse_cholesky(H: torch.Tensor, percdamp: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
+    """Upper Cholesky factor U of (H + damp*I)^-1 (so H^-1 = U^T U), damp = percdamp * mean(diag H).
+
+    Row i of U, scaled by 1/U[i, i], is the OBS update for removing weight i after weights 0..i-1 were
+    already removed, which is what lets SparseGPT/GPTQ sweep columns left to right. Computed in float64,
+    returned as float32 on H's device, together with the bool `dead` mask of inputs whose diag was 0
+    (the caller should zero those weight columns).
+    """
+    L, dead = _factor(H, percdamp)
+    U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+    if int(info) != 0:
+        raise SmeltError("inverse Hessian is not positive definite in float64; increase dampening (percdamp)")
+    return U.to(torch.float32), dead
+
+
+def inverse_hessian(
+    H: torch.Tensor, percdamp: float = 0.01, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full (H + damp*I)^-1 in `dtype` (float64 suits exact OBS, whose many downdates compound error)."""
+    L, dead = _factor(H, percdamp)
+    return torch.cholesky_inverse(L).to(dtype), dead

@@ -1,0 +1,215 @@
+"""Pruning maths: valid patterns, exact counts, the expected quality order, OBS optimality, bad input."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.errors import SmeltError
+from prune.algorithms import (
+    magnitude_prune,
+    obs_prune,
+    reconstruction_error,
+    sparsegpt_prune,
+    wanda_prune,
+)
+from prune.hessian import dampened_inverse_cholesky, inverse_hessian
+from prune.patterns import mask_is_nm, topk_mask_unstructured
+
+METHODS = ["magnitude", "wanda", "sparsegpt", "obs"]
+
+
+def layer(seed: int, rows: int = 32, cols: int = 64, tokens: int = 512, outliers: int = 4):
+    """Calibration inputs with correlated features (X = Z A) and a few high-norm outlier features,
+    the regime where activation-aware and second-order pruning beat magnitude."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(tokens, cols, generator=g) @ (torch.randn(cols, cols, generator=g) / cols ** 0.5)
+    X[:, torch.randperm(cols, generator=g)[:outliers]] *= 10
+    return X, torch.randn(rows, cols, generator=g)
+
+
+def prune(method: str, W, X, **kw):
+    if method == "magnitude":
+        return magnitude_prune(W, **kw)
+    if method == "wanda":
+        return wanda_prune(W, X.norm(dim=0), **kw)
+    H = X.T @ X
+    return sparsegpt_prune(W, H, **kw) if method == "sparsegpt" else obs_prune(W, H, **kw)
+
+
+@pytest.mark.parametrize("n,m", [(2, 4), (4, 8)])
+@pytest.mark.parametrize("method", METHODS)
+def test_nm_masks_keep_exactly_n_per_group(method, n, m):
+    X, W = layer(0)
+    Wp, keep = prune(method, W, X, n=n, m=m)
+    assert keep.dtype == torch.bool and keep.shape == W.shape
+    assert mask_is_nm(keep, n, m) and mask_is_nm(Wp, n, m)
+    assert bool((keep.reshape(-1, m).sum(-1) == n).all())  # every group keeps exactly n, not fewer
+    assert bool((Wp[~keep] == 0).all())
+    assert not mask_is_nm(torch.ones_like(keep), n, m)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_unstructured_counts_are_exact(method):
+    """'Exact' per method: magnitude round(s*numel) over the layer; wanda and obs round(s*in) in every
+    row; sparsegpt round(s*out*blocksize) in every block (block-wide ranking, as the reference)."""
+    X, W = layer(1)
+    s, bs = 0.3, 16
+    kw = {"blocksize": bs} if method == "sparsegpt" else {}
+    Wp, keep = prune(method, W, X, sparsity=s, **kw)
+    pruned = ~keep
+    if method == "magnitude":
+        assert int(pruned.sum()) == round(s * W.numel())
+    elif method == "sparsegpt":
+        for i in range(0, W.shape[1], bs):
+            assert int(pruned[:, i:i + bs].sum()) == round(s * W.shape[0] * bs)
+    else:
+        assert bool((pruned.sum(1) == round(s * W.shape[1])).all())
+    assert bool((Wp[pruned] == 0).all())
+    if method in ("magnitude", "wanda"):  # no weight update: kept weights are untouched
+        assert torch.equal(Wp[keep], W[keep])
+    else:  # OBS-style methods move the kept weights to compensate
+        assert not torch.equal(Wp[keep], W[keep])
+
+
+def test_wanda_keeps_small_weights_on_high_norm_inputs():
+    _, W = layer(2)
+    W[:, 7] = 1e-3  # tiny weights, but on an outlier input feature (score 10 > any other)
+    norm = torch.ones(64)
+    norm[7] = 1e4
+    assert not bool(magnitude_prune(W, 0.5)[1][:, 7].any())
+    assert bool(wanda_prune(W, norm, 0.5)[1][:, 7].all())
+    assert bool(wanda_prune(W, norm, n=2, m=4)[1][:, 7].all())
+
+
+def test_sparsegpt_per_row_ranking_gives_uniform_rows():
+    X, W = layer(2)
+    _, keep = sparsegpt_prune(W, X.T @ X, sparsity=0.5, blocksize=16, per_row=True)
+    for i in range(0, 64, 16):
+        assert bool(((~keep[:, i:i + 16]).sum(1) == 8).all())
+
+
+def test_topk_mask_ties_do_not_change_the_count():
+    score = torch.ones(8, 10)
+    assert int((~topk_mask_unstructured(score, 0.35)).sum()) == 28
+    assert bool(((~topk_mask_unstructured(score, 0.5, per_row=True)).sum(1) == 5).all())
+
+
+@pytest.mark.parametrize("sparsity,n,m", [(0.5, 0, 0), (0.0, 2, 4)], ids=["50%", "2:4"])
+def test_reconstruction_error_order(sparsity, n, m):
+    errs = {k: [] for k in METHODS}
+    for seed in range(5):
+        X, W = layer(seed)
+        for method in METHODS:
+            Wp, _ = prune(method, W, X, sparsity=sparsity, n=n, m=m)
+            errs[method].append(reconstruction_error(X, W, Wp, relative=True))
+        assert errs["sparsegpt"][-1] < errs["magnitude"][-1], f"seed {seed}: {errs}"
+    mean = {k: sum(v) / len(v) for k, v in errs.items()}
+    print(f"\nmean relative reconstruction error at {sparsity=} {n}:{m}: {mean}")
+    assert mean["obs"] <= mean["sparsegpt"] <= mean["wanda"] <= mean["magnitude"], mean
+
+
+def test_obs_weights_are_the_least_squares_optimum_for_their_mask():
+    """Greedy OBS updates are exact for a quadratic loss, so the result must equal the closed-form
+    optimum of (w - w0)^T H_d (w - w0) with the pruned weights fixed at 0 (H_d = damped H)."""
+    X, W = layer(3, rows=8, cols=32)
+    H = (X.T @ X).double()
+    Wp, keep = obs_prune(W.double(), H, sparsity=0.5, percdamp=0.01)
+    Hd = H + 0.01 * H.diagonal().mean() * torch.eye(32, dtype=torch.float64)
+    for r in range(8):
+        K, P = keep[r], ~keep[r]
+        want = W[r].double()[K] + torch.linalg.solve(Hd[K][:, K], Hd[K][:, P] @ W[r].double()[P])
+        torch.testing.assert_close(Wp[r][K], want, rtol=1e-7, atol=1e-9)
+
+
+def test_sparsegpt_lazy_block_updates_match_one_block():
+    # N:M masks do not depend on the block size, so batching later-column updates must change nothing
+    X, W = layer(4)
+    H = X.T @ X
+    a, keep_a = sparsegpt_prune(W, H, n=2, m=4, blocksize=8)
+    b, keep_b = sparsegpt_prune(W, H, n=2, m=4, blocksize=64)
+    assert torch.equal(keep_a, keep_b)
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_zero_sparsity_returns_weights_unchanged():
+    X, W = layer(5)
+    H = X.T @ X
+    H[3, :] = H[:, 3] = 0  # a dead input must not be zeroed when nothing is pruned
+    for fn in (sparsegpt_prune, obs_prune):
+        Wp, keep = fn(W, H, sparsity=0.0)
+        assert torch.equal(Wp, W) and bool(keep.all())
+
+
+def test_dead_inputs_are_pruned_first():
+    X, W = layer(6)
+    X[:, [5, 9]] = 0
+    for fn in (sparsegpt_prune, obs_prune):
+        Wp, keep = fn(W, X.T @ X, sparsity=0.25)
+        assert not bool(keep[:, [5, 9]].any()) and bool((Wp[:, [5, 9]] == 0).all())
+
+
+def test_inputs_untouched_and_dtype_kept():
+    X, W = layer(7)
+    W = W.to(torch.bfloat16)
+    H = X.T @ X
+    W0, H0 = W.clone(), H.clone()
+    for method in METHODS:
+        Wp, _ = prune(method, W, X, n=2, m=4)
+        assert Wp.dtype == torch.bfloat16
+    assert torch.equal(W, W0) and torch.equal(H, H0)
+
+
+def test_inverse_cholesky_factor():
+    X, _ = layer(8)
+    H = X.T @ X
+    U, dead = dampened_inverse_cholesky(H, percdamp=0.01)
+    assert U.dtype == torch.float32 and not bool(dead.any())
+    assert torch.equal(U, U.triu())
+    H64 = H.double()
+    want = torch.linalg.inv(H64 + 0.01 * H64.diagonal().mean() * torch.eye(64, dtype=torch.float64))
+    torch.testing.assert_close(U.double().T @ U.double(), want, rtol=1e-4, atol=1e-7)
+    Hinv, _ = inverse_hessian(H, 0.01, dtype=torch.float64)
+    torch.testing.assert_close(Hinv, want)
+    Z = torch.randn(512, 64)
+    Hw = Z.T @ Z  # well conditioned: percdamp=0 must work
+    U0, _ = dampened_inverse_cholesky(Hw, percdamp=0.0)
+    torch.testing.assert_close(U0.double().T @ U0.double(), torch.linalg.inv(Hw.double()), rtol=1e-4, atol=1e-7)
+
+
+def test_indefinite_hessian_retries_with_more_damping():
+    v = torch.nn.functional.normalize(torch.randn(16, dtype=torch.float64), dim=0)
+    H = torch.eye(16, dtype=torch.float64) - 1.05 * torch.outer(v, v)  # one eigenvalue -0.05
+    U, _ = dampened_inverse_cholesky(H, percdamp=0.01)  # 0.01 fails, 0.1 succeeds
+    assert bool(torch.isfinite(U).all())
+    with pytest.raises(SmeltError, match="not positive definite"):
+        dampened_inverse_cholesky(torch.eye(16) - 200 * torch.outer(v, v).float(), percdamp=0.01)
+
+
+def test_bad_input_names_the_setting():
+    X, W = layer(9)
+    H = X.T @ X
+    for s in (1.0, -0.1):
+        for method in METHODS:
+            with pytest.raises(SmeltError, match=rf"sparsity={s} must be in \[0, 1\)"):
+                prune(method, W, X, sparsity=s)
+    W62, X62 = W[:, :62], X[:, :62]
+    for method in METHODS:
+        with pytest.raises(SmeltError, match=r"N:M=2:4 .*in_features=62"):
+            prune(method, W62, X62, n=2, m=4)
+    with pytest.raises(SmeltError, match="N:M=4:4"):
+        magnitude_prune(W, n=4, m=4)
+    with pytest.raises(SmeltError, match="blocksize=6"):
+        sparsegpt_prune(W, H, n=2, m=4, blocksize=6)
+    with pytest.raises(SmeltError, match=r"Hessian shape \(62, 62\)"):
+        sparsegpt_prune(W, H[:62, :62])
+    for tokens in (8, 63):  # fewer tokens than inputs: rank-deficient (63: only fp32 noise hides it)
+        few = X[:tokens].T @ X[:tokens]
+        for fn in (sparsegpt_prune, obs_prune):
+            with pytest.raises(SmeltError, match="Hessian is singular; set dampening > 0"):
+                fn(W, few, percdamp=0.0)
+            fn(W, few, percdamp=0.01)  # damping makes the same statistics usable
+        with pytest.raises(SmeltError, match="no calibration data"):
+            fn(W, torch.zeros(64, 64))
+    for bad in (None, torch.zeros(64)):
+        with pytest.raises(SmeltError, match="no calibration data"):
+            wanda_prune(W, bad)

@@ -1,0 +1,62 @@
+"""Config functions for `python -m train.run --module train.config_registry --config NAME`.
+
+Each returns a complete SmeltTrainer.Config; the command line overrides any field
+(`--student DIR --teacher DIR --training.steps 50 --dump_folder runs/x`).
+"""
+from __future__ import annotations
+
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+from torchtitan.config import CommConfig, DebugConfig, ParallelismConfig, TrainingConfig
+from torchtitan.protocols.model_spec import ModelSpec
+
+from train.titan import HFTokenizer, KDLoss, SmeltModel, StreamDataLoader, parallelize
+from train.trainer import SmeltTrainer
+
+
+def _model_spec() -> ModelSpec:
+    return ModelSpec(name="smelt-llama", flavor="from-artifact", model=SmeltModel.Config(),
+                     parallelize_fn=parallelize, pipelining_fn=None, post_optimizer_build_fn=None,
+                     state_dict_adapter=None)
+
+
+def _config(*, steps: int, batch: int, seq_len: int, lr: float, warmup: int, interval: int,
+            dtype: str = "float32") -> SmeltTrainer.Config:
+    # No weight decay: recovery and QAT stay near the teacher, decay would pull weights towards 0.
+    opt = default_adamw(lr=lr, weight_decay=0.0)
+    opt.implementation = "foreach"
+    return SmeltTrainer.Config(
+        model_spec=_model_spec(),
+        dump_folder="runs/train",
+        hf_assets_path="",  # filled from --student (or --teacher) by SmeltTrainer
+        tokenizer=HFTokenizer.Config(),
+        dataloader=StreamDataLoader.Config(corpus="wikitext2-valid", seed=0),
+        loss=KDLoss.Config(kind="forward_kl", temperature=1.0),
+        optimizer=opt,
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=warmup, decay_type="cosine", min_lr_factor=0.1),
+        training=TrainingConfig(local_batch_size=batch, seq_len=seq_len, steps=steps, max_norm=1.0,
+                                dtype="float32", mixed_precision_param=dtype, disable_cuda_graphs=True),
+        parallelism=ParallelismConfig(data_parallel_shard_degree=-1, spmd_backend="partial_dtensor"),
+        checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", interval=interval,
+                                            last_save_model_only=False, keep_latest_k=2),
+        activation_checkpoint=None,
+        metrics=MetricsProcessor.Config(log_freq=1, disable_color_printing=True, enable_wandb=False),
+        comm=CommConfig(trace_buf_size=0),
+        debug=DebugConfig(seed=0, deterministic=True),
+    )
+
+
+def debug_distill() -> SmeltTrainer.Config:
+    """Tiny models, a few steps: what the tests run (2 gloo processes, FSDP2 shard degree 2)."""
+    return _config(steps=6, batch=2, seq_len=32, lr=1e-3, warmup=1, interval=2)
+
+
+def smollm2_recover() -> SmeltTrainer.Config:
+    """Recovery distillation of a pruned SmolLM2-135M on WikiText-2 valid, sized for a CPU."""
+    return _config(steps=150, batch=4, seq_len=256, lr=2e-4, warmup=10, interval=50)
+
+
+def h100_recover() -> SmeltTrainer.Config:
+    """The same recovery on a GPU node: bf16 parameters, longer sequences, more steps."""
+    return _config(steps=2000, batch=16, seq_len=2048, lr=2e-4, warmup=100, interval=250, dtype="bfloat16")

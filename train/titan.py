@@ -1,0 +1,198 @@
+"""torchtitan 0.3.0 components around our model: model adapter, parallelize, tokenizer, data, loss.
+
+torchtitan builds the model on the meta device, calls `parallelize` (FSDP2), materialises it with
+`to_empty`, then `init_weights`, which here loads the student artifact's safetensors into the shards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torchtitan.components.dataloader import BaseDataLoader
+from torchtitan.components.loss import IGNORE_INDEX, BaseLoss
+from torchtitan.components.tokenizer import BaseTokenizer
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.protocols.model import BaseModel
+from torchtitan.tools.logging import logger
+
+from distill.losses import DistillLoss, DistillLossConfig
+from models.hf_io import config_from_hf, copy_state_into, read_hf_config, read_hf_state, load_tokenizer
+from models.llama import LlamaConfig, Transformer
+from train.data import TokenStream
+
+
+class SmeltModel(BaseModel):
+    """torchtitan BaseModel around models.llama.Transformer (kept as `.inner`)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseModel.Config):
+        init_from: str = ""
+        """HF artifact directory whose weights initialise the model (set from the trainer's --student)."""
+        arch: dict = field(default_factory=dict)
+        """models.llama.LlamaConfig fields; read from init_from's config.json when empty."""
+        seed: int = 0
+        """Random-init seed when init_from is empty (debug runs)."""
+
+        def update_from_config(self, *, config, **kwargs) -> None:
+            student = getattr(config, "student", "")
+            if student:
+                self.init_from = student
+            if not self.arch:
+                self.arch = config_from_hf(read_hf_config(self.init_from)).to_dict()
+            self.arch["max_seq_len"] = max(self.arch.get("max_seq_len", 0), config.training.seq_len + 1)
+
+        def get_nparams_and_flops(self, model, seq_len):
+            cfg = LlamaConfig.from_dict(self.arch)
+            n = sum(p.numel() for p in model.parameters())
+            n_emb = cfg.vocab_size * cfg.dim
+            attn = 12 * len(model.inner.layers) * cfg.n_heads * cfg.head_dim * seq_len
+            return n, 6 * (n - (0 if cfg.tie_embeddings else n_emb)) + attn
+
+    def __init__(self, config: Config):
+        super().__init__()
+        self.config = config
+        self.inner = Transformer(LlamaConfig.from_dict(config.arch))
+
+    def verify_module_protocol(self) -> None:
+        return  # the inner model is plain nn.Module by design (one definition for every stage)
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device=None, **kwargs) -> None:
+        if self.config.init_from:
+            copy_state_into(self.inner, read_hf_state(self.config.init_from, self.inner.cfg))
+            self.inner.init_rope(buffer_device or self.inner.tok_embeddings.weight.device)
+        else:
+            self.inner.init_weights(buffer_device=buffer_device, seed=self.config.seed)
+
+    def init_states(self, *, buffer_device=None) -> None:
+        self.init_weights(buffer_device=buffer_device)
+
+    def forward(self, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
+        return self.inner(tokens)
+
+
+def fsdp_mesh(parallel_dims):
+    return parallel_dims.get_mesh("fsdp" if parallel_dims.spmd_backend == "partial_dtensor" else "dp_shard")
+
+
+def shard_model(module: torch.nn.Module, blocks, mesh, mp: MixedPrecisionPolicy, gloo: bool) -> None:
+    """FSDP2: each block its own unit, then the root (embeddings, norm, head)."""
+    for blk in blocks:
+        fully_shard(blk, mesh=mesh, mp_policy=mp)
+    fully_shard(module, mesh=mesh, mp_policy=mp)
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            # The loss is already a sum / global token count, so gradients are summed, not averaged.
+            m.set_gradient_divide_factor(1.0)
+            if gloo:  # gloo has no PREMUL_SUM/AVG reduce-scatter; plain SUM is exact here
+                m.set_force_sum_reduction_for_comms(True)
+
+
+def parallelize(model: SmeltModel, *, parallel_dims, training, parallelism, compile_config, ac_config,
+                dump_folder):
+    """Transforms in the order they apply: activation checkpointing, compile, FSDP2."""
+    if ac_config is not None:
+        ac_config.build(dump_folder=dump_folder).apply(model.inner)
+    if compile_config.enable and "model" in compile_config.components:
+        for name, blk in list(model.inner.layers.items()):
+            model.inner.layers[name] = torch.compile(blk, backend=compile_config.backend, fullgraph=True)
+    if parallel_dims.fsdp_enabled:
+        mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+                                  reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce])
+        gloo = not torch.cuda.is_available()
+        shard_model(model, model.inner.layers.values(), fsdp_mesh(parallel_dims), mp, gloo)
+        logger.info("Applied FSDP2 (%d blocks + root)", len(model.inner.layers))
+    return model
+
+
+class HFTokenizer(BaseTokenizer):
+    """The teacher's Hugging Face tokenizer (from hf_assets_path), exposed to torchtitan."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseTokenizer.Config):
+        pass
+
+    def __init__(self, config: Config, *, tokenizer_path: str | None = None):
+        super().__init__()
+        self.hf = load_tokenizer(tokenizer_path)
+        self.eos_id = self.hf.eos_token_id
+        self.bos_id = self.hf.bos_token_id
+
+    def encode(self, text: str, **kw) -> list[int]:
+        return self.hf(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids, **kw) -> str:
+        return self.hf.decode(ids)
+
+    def get_vocab_size(self) -> int:
+        return len(self.hf)
+
+
+class StreamDataLoader(BaseDataLoader):
+    """Packed BOS-led windows from a training corpus; every rank reads its slice of one global order.
+
+    The stream position is checkpointed (per-rank key so DCP keeps each rank's copy), so a resumed run
+    continues at exactly the same sample.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        corpus: str = "wikitext2-valid"
+        seed: int = 0
+
+    def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
+                 local_batch_size: int, snapshot_every_n_steps=None):
+        self.dp_world_size, self.dp_rank, self.bs = dp_world_size, dp_rank, local_batch_size
+        self.stream = TokenStream.from_corpus(tokenizer.hf, seq_len, seed=config.seed, corpus=config.corpus)
+        self._key = f"dp_rank_{dp_rank}"
+
+    def __iter__(self):
+        while True:
+            batch = self.stream.next_batch(self.bs * self.dp_world_size)
+            mine = batch[self.dp_rank * self.bs:(self.dp_rank + 1) * self.bs]
+            yield {"input": mine[:, :-1]}, mine[:, 1:]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {self._key: self.stream.state_dict(), "world_size": self.dp_world_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state or self._key not in state:
+            return
+        if state["world_size"] != self.dp_world_size:
+            raise RuntimeError(f"dataloader state was saved with {state['world_size']} data-parallel ranks, "
+                               f"this run has {self.dp_world_size}; resume needs the same layout")
+        self.stream.load_state_dict(state[self._key])
+
+
+class KDLoss(BaseLoss):
+    """torchtitan loss contract (local sum / global valid tokens) around distill.losses.DistillLoss.
+
+    With no teacher logits (a plain run) it is cross-entropy.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseLoss.Config):
+        kind: str = "forward_kl"
+        temperature: float = 1.0
+        skew_alpha: float = 0.1
+        ce_weight: float = 0.0
+        chunk_tokens: int = 1024
+
+    def __init__(self, config: Config, *, compile_config=None):
+        self.inner = DistillLoss(DistillLossConfig(kind=config.kind, temperature=config.temperature,
+                                                   skew_alpha=config.skew_alpha, ce_weight=config.ce_weight,
+                                                   chunk_tokens=config.chunk_tokens))
+
+    def __call__(self, pred, labels, global_valid_tokens=None, *, teacher_logits=None, **kwargs):
+        local_valid = (labels != IGNORE_INDEX).sum()
+        if teacher_logits is None:
+            ce = torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(),
+                                                   ignore_index=IGNORE_INDEX, reduction="sum")
+            loss_sum, metrics = ce, {"ce": ce.detach() / local_valid.clamp_min(1)}
+        else:
+            loss_mean, metrics = self.inner(pred, teacher_logits, labels)
+            loss_sum = loss_mean * local_valid.clamp_min(1)
+        denom = global_valid_tokens if global_valid_tokens is not None else local_valid.clamp_min(1)
+        return loss_sum / denom, metrics
