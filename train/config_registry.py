@@ -60,3 +60,9 @@ def smollm2_recover() -> SmeltTrainer.Config:
 def h100_recover() -> SmeltTrainer.Config:
     """The same recovery on a GPU node: bf16 parameters, longer sequences, more steps."""
     return _config(steps=2000, batch=16, seq_len=2048, lr=2e-4, warmup=100, interval=250, dtype="bfloat16")
+
+
+def debug_diverge() -> SmeltTrainer.Config:
+    """debug_distill with an absurd learning rate: exercises the NaN/inf stop (tests)."""
+    cfg = _config(steps=8, batch=2, seq_len=32, lr=1e30, warmup=0, interval=1)
+    return cfg

@@ -30,13 +30,18 @@ def main() -> None:
     _wandb_env()
     import torch
     from torchtitan.config import ConfigManager
+    from torchtitan.observability import structured_logger as sl
+    from torchtitan.tools.logging import init_logger
 
     from models.errors import SmeltError
     from train.trainer import TrainingStopped
 
     trainer = None
     try:
+        init_logger()
         config = ConfigManager().parse_args()
+        sl.init_structured_logger(source="training", output_dir=config.dump_folder,
+                                  enable=config.debug.enable_structured_logging)
         trainer = config.build()
         trainer.train()
     except (SmeltError, TrainingStopped, FileNotFoundError) as e:

@@ -1,0 +1,278 @@
+"""Prune a teacher's transformer-block linears and write the result as a smelt artifact.
+
+    python -m prune.run --teacher smollm2-135m --method sparsegpt --pattern 2:4 --out runs/pruned --eval
+    python -m prune.run --method wanda --sparsity 0.5 --out runs/wanda50 --calib-windows 64 --no-sequential
+
+Methods: magnitude (no calibration), wanda, sparsegpt, obs (exact, slow; small models only). The
+artifact is an HF directory plus masks.safetensors (keep-masks for recovery training) and manifest.json
+with per-module sparsity and relative reconstruction error tr(ΔW H ΔWᵀ) / tr(W H Wᵀ).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from models.errors import SmeltError, run_cli
+from prune import algorithms
+from prune.calibrate import CalibConfig, LinearStats, run_blocks
+from prune.patterns import check_nm, check_sparsity
+
+METHODS = ("magnitude", "wanda", "sparsegpt", "obs")
+CALIBRATED = ("wanda", "sparsegpt", "obs")
+DEFAULT_SKIP = ("output", "tok_embeddings")
+
+
+def parse_pattern(spec: str) -> tuple[int, int]:
+    match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", spec)
+    if not match:
+        raise SmeltError(f"--pattern must be N:M (e.g. 2:4), got {spec!r}")
+    n, m = int(match.group(1)), int(match.group(2))
+    check_nm(n, m, m)  # 0 < N < M; divisibility is checked per module
+    return n, m
+
+
+def _skipped(name: str, skip: tuple[str, ...]) -> bool:
+    """A skip entry matches a module by full name, as a dotted prefix ("layers.0") or suffix ("attention.wo")."""
+    return any(name == s or name.startswith(s + ".") or name.endswith("." + s) for s in skip)
+
+
+def prune_targets(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP) -> list[str]:
+    """The linears to prune: every nn.Linear not matched by `skip`; each must sit in a transformer block."""
+    names = [n for n, _ in model.named_modules() if n]
+    for s in skip:
+        if not any(_skipped(n, (s,)) for n in names):
+            raise SmeltError(f"--skip {s!r} matches no module of the model")
+    targets = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not _skipped(n, skip)]
+    outside = [n for n in targets if not n.startswith("layers.")]
+    if outside:
+        raise SmeltError(f"{outside[0]} is outside the transformer blocks and cannot be pruned "
+                         f"(add it to --skip)")
+    if not targets:
+        raise SmeltError("nothing to prune: --skip excludes every linear")
+    return targets
+
+
+def relative_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> float:
+    """||XWᵀ − XŴᵀ||² / ||XWᵀ||² over the calibration inputs, from H = XᵀX alone."""
+    W64, D = W.to(H.dtype), (W - W_hat).to(H.dtype)
+    den = float(((W64 @ H) * W64).sum())
+    return float(((D @ H) * D).sum()) / den if den > 0 else 0.0
+
+
+@contextlib.contextmanager
+def _timed_inverses(seconds: dict):
+    """Instrumentation: time the inverse-Hessian factorisations prune.algorithms calls, so the report
+    can split them from the column sweeps (wraps the module-level names it looks up; restored after)."""
+    names = ("dampened_inverse_cholesky", "inverse_hessian")
+    originals = {n: getattr(algorithms, n) for n in names}
+
+    def timed(fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds["hessian_inverse_s"] += time.perf_counter() - t0
+        return wrapper
+
+    try:
+        for n, fn in originals.items():
+            setattr(algorithms, n, timed(fn))
+        yield
+    finally:
+        for n, fn in originals.items():
+            setattr(algorithms, n, fn)
+
+
+def _prune_weight(method: str, W: torch.Tensor, stats: LinearStats | None, sparsity: float, n: int,
+                  m: int, blocksize: int, percdamp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if method == "magnitude":
+        return algorithms.magnitude_prune(W, sparsity, n, m)
+    if method == "wanda":
+        return algorithms.wanda_prune(W, stats.act_norm, sparsity, n, m)
+    if method == "sparsegpt":
+        return algorithms.sparsegpt_prune(W, stats.H, sparsity, n, m, blocksize, percdamp)
+    return algorithms.obs_prune(W, stats.H, sparsity, n, m, percdamp)
+
+
+def _check_settings(model, targets, method, sparsity, n, m, blocksize, percdamp) -> None:
+    """Fail before any forward pass, not after calibrating half the model."""
+    if method not in METHODS:
+        raise SmeltError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
+    check_sparsity(sparsity)
+    modules = dict(model.named_modules())
+    if n or m:
+        for name in targets:
+            try:
+                check_nm(n, m, modules[name].in_features)
+            except SmeltError as e:
+                raise SmeltError(f"{name}: {e}") from None
+    if method == "sparsegpt" and (not isinstance(blocksize, int) or blocksize <= 0 or (m and blocksize % m)):
+        raise SmeltError(f"blocksize={blocksize} must be a positive integer" + (f" multiple of M={m}" if m else ""))
+    if not (math.isfinite(percdamp) and percdamp >= 0):
+        raise SmeltError(f"percdamp={percdamp} must be a finite number >= 0 (e.g. 0.01)")
+
+
+@torch.no_grad()
+def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, sparsity: float = 0.5,
+                n: int = 0, m: int = 0, skip: tuple[str, ...] = DEFAULT_SKIP, blocksize: int = 128,
+                percdamp: float = 0.01, cfg: CalibConfig | None = None, progress: bool = True
+                ) -> tuple[dict[str, torch.Tensor], dict]:
+    """Prune the model's block linears in place; returns ({module name: bool keep-mask}, report).
+
+    n, m > 0 selects N:M (sparsity is then 1 - n/m); otherwise unstructured at `sparsity`. windows
+    [n_windows, seq_len] feed the calibrated methods (magnitude ignores them and runs no forward pass).
+    report: per_module {name: {sparsity, rel_recon_error (calibrated methods)}}, overall sparsity of
+    the pruned linears, and timings_s (forward passes, statistics, Hessian inverses, pruning updates).
+    """
+    t_start = time.perf_counter()
+    cfg = cfg or CalibConfig()
+    if n or m:
+        sparsity = 1.0 - n / m if 0 < n < m else sparsity
+    targets = prune_targets(model, tuple(skip))
+    _check_settings(model, targets, method, sparsity, n, m, blocksize, percdamp)
+    modules = dict(model.named_modules())
+    masks: dict[str, torch.Tensor] = {}
+    per_module: dict[str, dict] = {}
+    seconds = {"forward_s": 0.0, "stats_s": 0.0, "hessian_inverse_s": 0.0, "prune_s": 0.0, "metrics_s": 0.0}
+
+    def prune_one(name: str, stats: LinearStats | None) -> None:
+        weight = modules[name].weight
+        t0 = time.perf_counter()
+        try:
+            W_hat, keep = _prune_weight(method, weight.detach(), stats, sparsity, n, m, blocksize, percdamp)
+        except SmeltError as e:
+            raise SmeltError(f"{name}: {e}") from None
+        t1 = time.perf_counter()
+        entry = {"sparsity": 1.0 - keep.sum().item() / keep.numel()}
+        if stats is not None:
+            entry["rel_recon_error"] = relative_error(weight.detach(), W_hat, stats.H)
+        weight.copy_(W_hat)  # in place: tied or shared parameters stay the same object
+        masks[name] = keep.cpu()
+        per_module[name] = entry
+        seconds["prune_s"] += t1 - t0
+        seconds["metrics_s"] += time.perf_counter() - t1
+
+    def on_block(block_name: str, block: nn.Module, stats: dict[str, LinearStats]) -> None:
+        for name, st in stats.items():
+            prune_one(name, st)
+
+    with _timed_inverses(seconds):
+        if method in CALIBRATED:
+            if windows is None or windows.numel() == 0:
+                raise SmeltError(f"no calibration data: {method} needs calibration windows")
+            ran = run_blocks(model, windows, on_block, cfg, targets=set(targets), progress=progress)
+            seconds["forward_s"], seconds["stats_s"] = ran["forward_s"], ran["stats_s"]
+        else:
+            for name in targets:
+                prune_one(name, None)
+    seconds["prune_update_s"] = seconds.pop("prune_s") - seconds["hessian_inverse_s"]
+    seconds["total_s"] = time.perf_counter() - t_start
+    pruned = sum(int((~k).sum()) for k in masks.values())
+    total = sum(k.numel() for k in masks.values())
+    report = {"method": method, "pattern": f"{n}:{m}" if n else None, "sparsity": pruned / total,
+              "pruned_params": pruned, "total_params": total, "per_module": per_module,
+              "timings_s": {k: round(v, 3) for k, v in seconds.items()}}
+    return masks, report
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one-line "error: ..." and exit 2 via run_cli, like every other bad input
+        raise SmeltError(message)
+
+
+def _parse_args(argv):
+    from models.teacher import DEFAULT_TEACHER
+
+    ap = _Parser(prog="python -m prune.run", description=__doc__.split("\n")[0])
+    ap.add_argument("--teacher", default=DEFAULT_TEACHER, help="registered name, .gguf or HF directory")
+    ap.add_argument("--method", required=True, help=f"one of {', '.join(METHODS)}")
+    amount = ap.add_mutually_exclusive_group(required=True)
+    amount.add_argument("--sparsity", type=float, help="unstructured sparsity in [0, 1)")
+    amount.add_argument("--pattern", help="N:M semi-structured sparsity, e.g. 2:4")
+    ap.add_argument("--out", required=True, help="artifact directory to write")
+    ap.add_argument("--calib-windows", type=int, default=CalibConfig.n_windows)
+    ap.add_argument("--calib-seq-len", type=int, default=CalibConfig.seq_len)
+    ap.add_argument("--calib-batch-size", type=int, default=CalibConfig.batch_size)
+    ap.add_argument("--seed", type=int, default=CalibConfig.seed)
+    ap.add_argument("--blocksize", type=int, default=128, help="SparseGPT column block")
+    ap.add_argument("--percdamp", type=float, default=0.01, help="Hessian dampening, fraction of mean(diag H)")
+    ap.add_argument("--skip", default=",".join(DEFAULT_SKIP),
+                    help="comma-separated module names, dotted prefixes or suffixes to leave dense")
+    ap.add_argument("--no-sequential", action="store_true",
+                    help="calibrate every block on the dense model's activations (one forward per block)")
+    ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument("--eval", action="store_true", help="evaluate against the teacher (metrics in the manifest)")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse_args(argv)
+    if args.method not in METHODS:
+        raise SmeltError(f"unknown method {args.method!r} (choose from {', '.join(METHODS)})")
+    n, m = parse_pattern(args.pattern) if args.pattern is not None else (0, 0)
+    sparsity = 1.0 - n / m if n else args.sparsity
+    check_sparsity(sparsity)
+    cfg = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, seed=args.seed,
+                      batch_size=args.calib_batch_size, sequential=not args.no_sequential)
+    skip = tuple(s.strip() for s in args.skip.split(",") if s.strip())
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise SmeltError(f"output directory {out} already exists (pass --overwrite to replace it)")
+
+    from eval.evaluate import default_device, evaluate, format_table, weights_fingerprint
+    from models.artifact import atomic_dir, write_manifest
+    from models.hf_io import load_hf, load_tokenizer, save_hf
+    from models.teacher import resolve_teacher
+    from train.masks import save_masks
+
+    teacher_dir = resolve_teacher(args.teacher)
+    if out.resolve() == teacher_dir.resolve():
+        raise SmeltError(f"--out {out} is the teacher directory itself")
+    tokenizer = load_tokenizer(teacher_dir)
+    model = load_hf(teacher_dir, device=str(default_device()))
+    calibrated = args.method in CALIBRATED
+    windows = cfg.windows(tokenizer) if calibrated else None
+    masks, report = prune_model(model, windows, args.method, sparsity, n, m, skip, args.blocksize,
+                                args.percdamp, cfg)
+    errors = {k: v["rel_recon_error"] for k, v in report["per_module"].items() if "rel_recon_error" in v}
+    summary = f"[smelt] {args.method} pruned {len(masks)} linears to sparsity {report['sparsity']:.4f}"
+    if errors:
+        worst = max(errors, key=errors.get)
+        summary += (f"; rel. reconstruction error mean {sum(errors.values()) / len(errors):.4f}, "
+                    f"max {errors[worst]:.4f} ({worst})")
+    print(summary + f"; timings {report['timings_s']}", file=sys.stderr)
+
+    metrics = {"sparsity": report["sparsity"], "pruned_params": report["pruned_params"],
+               "total_params": report["total_params"], "per_module": report["per_module"],
+               "timings_s": report["timings_s"]}
+    eval_settings = None
+    if args.eval:
+        ev = evaluate(model, teacher_dir, tokenizer=tokenizer)
+        metrics["eval"], eval_settings = ev["buckets"], ev["settings"]
+        print(format_table(ev, title=f"{out} ({args.method} {args.pattern or args.sparsity}) vs teacher"))
+    settings = {
+        "method": args.method, "pattern": args.pattern and f"{n}:{m}", "sparsity": sparsity,
+        "calibration": cfg.record() if calibrated else None, "skip": list(skip),
+        "blocksize": args.blocksize if args.method == "sparsegpt" else None,
+        "percdamp": args.percdamp if args.method in ("sparsegpt", "obs") else None,
+        "teacher": args.teacher, "eval": eval_settings,
+    }
+    with atomic_dir(out, overwrite=args.overwrite) as tmp:
+        save_hf(model, tmp, tokenizer=tokenizer)
+        save_masks(model, masks, tmp)
+        write_manifest(tmp, stage="prune", settings=settings, metrics=metrics,
+                       parent={"path": str(teacher_dir), "fingerprint": weights_fingerprint(teacher_dir)})
+    print(out)
+
+
+if __name__ == "__main__":
+    run_cli(main)

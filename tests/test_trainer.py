@@ -1,0 +1,205 @@
+"""The real trainer path: torchtitan Trainer, 2 gloo processes, FSDP2 shard degree 2, through the CPU shims.
+
+Covers distillation with masks kept, bit-identical resume after kill -9, checkpoint-on-signal, and the
+NaN stop. Each torchrun takes ~10 s on 2 cores, so the runs are shared through module fixtures.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, make_byte_tokenizer, tiny_config
+from safetensors.torch import load_file
+
+from models.hf_io import load_hf, save_hf
+from models.llama import build_model
+from train.masks import MaskSet, load_masks, save_masks
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            "--local-ranks-filter", "0", "-m", "train.run", "--module", "train.config_registry",
+            "--config", "debug_distill"]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """A tiny random teacher, and a student = teacher with 50% of every MLP gate pruned (masks kept)."""
+    root = tmp_path_factory.mktemp("trainer")
+    tok = make_byte_tokenizer()
+    teacher = build_model(tiny_config(max_seq_len=512), seed=1)
+    with torch.no_grad():  # std 0.1 weights: a peaked teacher whose damage shows clearly in KL
+        for p in teacher.parameters():
+            if p.dim() == 2:
+                p.mul_(5.0)
+    save_hf(teacher, _mk(root / "teacher"), tokenizer=tok)
+    student = build_model(tiny_config(max_seq_len=512), seed=1)
+    student.load_state_dict(teacher.state_dict())
+    masks = {}
+    with torch.no_grad():
+        for name, mod in student.named_modules():
+            if name.endswith("feed_forward.w1") or name.endswith("attention.wo"):
+                keep = mod.weight.abs() > mod.weight.abs().median()
+                mod.weight.mul_(keep)
+                masks[name] = keep
+    save_hf(student, _mk(root / "student"), tokenizer=tok)
+    save_masks(student, masks, root / "student")
+    return root
+
+
+def _mk(p: Path) -> Path:
+    p.mkdir(parents=True)
+    return p
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    env.pop("SLURM_JOB_ID", None)
+    return env
+
+
+def torchrun(dirs: Path, name: str, *extra: str, timeout: int = 240, config: str = "debug_distill"
+             ) -> subprocess.CompletedProcess:
+    cmd = TORCHRUN[:-1] + [config, "--student", str(dirs / "student"), "--teacher", str(dirs / "teacher"),
+                      "--dump_folder", str(dirs / name), "--export_dir", str(dirs / f"{name}-out"), *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _kl_to_teacher(dirs: Path, model_dir: Path) -> float:
+    from eval.evaluate import EvalConfig, evaluate
+
+    report = evaluate(load_hf(model_dir), dirs / "teacher", EvalConfig(seq_len=32, windows={"en": 8}),
+                      tokenizer=make_byte_tokenizer(), progress=False)
+    return report["buckets"]["en"]["kl_mean"]
+
+
+@pytest.fixture(scope="module")
+def straight_run(dirs):
+    proc = torchrun(dirs, "straight", "--training.steps", "8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dirs / "straight-out"
+
+
+def test_distillation_recovers_and_keeps_masks(dirs, straight_run):
+    out = straight_run
+    assert {"model.safetensors", "masks.safetensors", "manifest.json", "tokenizer.json"} <= {
+        p.name for p in out.iterdir()}
+    masks = load_masks(out)
+    assert len(masks) == 4
+    trained = load_hf(out)
+    assert MaskSet(trained, masks).violations() == 0  # removed weights are still exactly zero
+    start = load_hf(dirs / "student")
+    moved = (trained.layers["0"].feed_forward.w1.weight - start.layers["0"].feed_forward.w1.weight).abs()
+    assert moved.max() > 0  # kept weights did train
+    assert _kl_to_teacher(dirs, out) < 0.7 * _kl_to_teacher(dirs, dirs / "student")
+    # The teacher is neither trained nor saved: no teacher tensors in the student's DCP checkpoint.
+    ckpt = dirs / "straight" / "checkpoint" / "step-8"
+    meta = (ckpt / ".metadata").read_bytes()
+    assert b"teacher" not in meta and b"inner.layers.0.feed_forward.w1.weight" in meta
+
+
+def test_resume_after_kill9_is_bit_identical(dirs, straight_run):
+    name = "killed"
+    cmd = TORCHRUN + ["--student", str(dirs / "student"), "--teacher", str(dirs / "teacher"),
+                      "--dump_folder", str(dirs / name), "--export_dir", str(dirs / f"{name}-out"),
+                      "--training.steps", "8"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    target = dirs / name / "checkpoint" / f"step-{random.Random(0).choice([2, 4])}" / ".metadata"
+    deadline = time.time() + 180
+    while not target.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert target.exists() and not (dirs / f"{name}-out").exists()
+    resumed = torchrun(dirs, name, "--training.steps", "8")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Loading the checkpoint" in resumed.stdout + resumed.stderr
+    a = load_file(str(straight_run / "model.safetensors"))
+    b = load_file(str(dirs / f"{name}-out" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigterm_checkpoints_and_exits_within_30s(dirs):
+    name = "preempted"
+    cmd = TORCHRUN + ["--student", str(dirs / "student"), "--teacher", str(dirs / "teacher"),
+                      "--dump_folder", str(dirs / name), "--training.steps", "100000",
+                      "--checkpoint.interval", "100000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    for line in proc.stdout:  # wait until training is really stepping
+        if "step:  3" in line:
+            break
+    sent = time.time()
+    os.killpg(proc.pid, signal.SIGTERM)  # what Slurm does to every task before time-out/preemption
+    try:
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert time.time() - sent < 30
+    steps = [p for p in (dirs / name / "checkpoint").glob("step-*") if (p / ".metadata").exists()]
+    assert len(steps) == 1 and int(steps[0].name.split("-")[1]) >= 3  # saved on the signal only
+
+
+def test_nan_loss_stops_with_a_message_and_keeps_the_checkpoint(dirs):
+    # A huge learning rate blows the weights up after the first steps -> non-finite loss/gradients.
+    proc = torchrun(dirs, "nan", config="debug_diverge")
+    assert proc.returncode != 0
+    msg = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: step")]
+    assert msg and "NaN/inf" in msg[0], proc.stderr[-2000:]
+    bad_step = int(msg[0].split()[2].rstrip(":"))
+    saved = sorted(int(p.name.split("-")[1]) for p in (dirs / "nan" / "checkpoint").glob("step-*")
+                   if (p / ".metadata").exists())
+    assert saved and max(saved) == bad_step - 1  # the last good step is kept, the bad one never saved
+    assert not (dirs / "nan-out").exists()
+
+
+def test_mask_set_keeps_weights_zero_through_adamw():
+    model = build_model(tiny_config(), seed=0)
+    w = model.layers["0"].feed_forward.w3.weight
+    keep = torch.rand(w.shape, generator=torch.Generator().manual_seed(0)) > 0.5
+    with torch.no_grad():
+        w.mul_(keep)
+    masks = MaskSet(model, {"layers.0.feed_forward.w3": keep})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt.register_step_post_hook(lambda *a: masks.apply_to_weights())
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 16))
+    for _ in range(5):
+        opt.zero_grad()
+        model(tokens).logsumexp(-1).mean().backward()
+        masks.apply_to_grads()
+        assert w.grad[~keep].abs().max() == 0
+        opt.step()
+    assert masks.violations() == 0 and (w[keep] != 0).all()
+    with torch.no_grad():
+        w.add_(1.0)
+    assert masks.violations() == int((~keep).sum())
+
+
+def test_bad_trainer_config_is_refused(dirs, tmp_path):
+    from train import cpu_shims
+
+    cpu_shims.apply()
+    from distill.losses import DistillLossConfig
+    from models.errors import SmeltError
+    from train.config_registry import debug_distill
+    from train.trainer import SmeltTrainer
+
+    with pytest.raises(SmeltError, match="kind='kld'"):
+        DistillLossConfig(kind="kld")
+    cfg = debug_distill()
+    cfg.student = str(tmp_path / "missing")
+    with pytest.raises(SmeltError, match="--student .* does not exist"):
+        SmeltTrainer(cfg)
+    other = build_model(tiny_config(vocab_size=300), seed=0)
+    save_hf(other, _mk(tmp_path / "t300"))
+    cfg = debug_distill()
+    cfg.student, cfg.teacher = str(dirs / "student"), str(tmp_path / "t300")
+    with pytest.raises(SmeltError, match="vocab_size 300 != --student vocab_size 260"):
+        SmeltTrainer(cfg)
