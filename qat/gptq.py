@@ -15,7 +15,7 @@ import torch
 
 from models.errors import SmeltError
 from prune.hessian import check_hessian, dampened_inverse_cholesky
-from qat.quantizers import QuantSpec, _check_weight, _work_dtype, compute_qparams
+from qat.quantizers import QuantSpec, check_weight, compute_qparams, work_dtype
 
 
 def _fq_column(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, spec: QuantSpec) -> torch.Tensor:
@@ -70,7 +70,7 @@ def gptq_quantize(
     calibration (diag H == 0) are zeroed, as in the reference: on the calibration data they cost nothing.
     """
     W = W.detach()
-    _check_weight(W, spec, name)
+    check_weight(W, spec, name)
     rows, cols = W.shape
     check_hessian(H, cols)
     keep = _check_mask(mask, W)
@@ -87,7 +87,7 @@ def gptq_quantize(
         blocksize = math.ceil(blocksize / gs) * gs
 
     H = H.to(W.device)
-    Wk = W.to(_work_dtype(W), copy=True)
+    Wk = W.to(work_dtype(W), copy=True)
     Wk[:, H.diagonal() == 0] = 0
     if keep is not None:
         Wk[~keep] = 0

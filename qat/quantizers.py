@@ -84,11 +84,11 @@ def check_group(in_features: int, group_size: int | None, name: str = "weight") 
         raise SmeltError(f"group_size={group_size} does not divide in_features={in_features} of {name}")
 
 
-def _work_dtype(W: torch.Tensor) -> torch.dtype:
+def work_dtype(W: torch.Tensor) -> torch.dtype:
     return torch.promote_types(W.dtype, torch.float32)
 
 
-def _check_weight(W: torch.Tensor, spec: QuantSpec, name: str) -> None:
+def check_weight(W: torch.Tensor, spec: QuantSpec, name: str) -> None:
     if W.ndim != 2 or not W.is_floating_point():
         raise SmeltError(f"{name}: weight must be a 2-D float tensor [out, in], got {tuple(W.shape)} {W.dtype}")
     check_group(W.shape[1], spec.group_size, name)
@@ -138,8 +138,8 @@ def compute_qparams(W: torch.Tensor, spec: QuantSpec, name: str = "weight"):
     factor per group over 1.0 ... 0.5 of the range and keeps the one with the least squared error;
     factor 1.0 is a candidate, so it is never worse than minmax on the weights it was fitted to.
     """
-    _check_weight(W, spec, name)
-    Wg = _grouped(W.detach().to(_work_dtype(W)), spec)
+    check_weight(W, spec, name)
+    Wg = _grouped(W.detach().to(work_dtype(W)), spec)
     lo, hi = Wg.amin(-1), Wg.amax(-1)
     scale, zp = qparams_from_range(lo, hi, spec)
     if spec.scale_init == "mse":
@@ -156,7 +156,7 @@ def compute_qparams(W: torch.Tensor, spec: QuantSpec, name: str = "weight"):
 
 def quantize(W: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, spec: QuantSpec) -> torch.Tensor:
     """Integer codes (torch.int8, in [qmin, qmax]) of W: round(clamp(W / scale + zp))."""
-    _check_weight(W, spec, "weight")
+    check_weight(W, spec, "weight")
     _check_qparams(W, scale, zp, spec)
     s = scale[..., None]
     Wg = _grouped(W.to(s.dtype), spec)

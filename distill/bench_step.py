@@ -1,0 +1,106 @@
+"""Benchmark: distillation step time vs a plain cross-entropy step, same student, same batch.
+
+    python -m distill.bench_step [--teacher smollm2-135m] [--batch 4 --seq-len 256 --repeats 5]
+
+Both steps are forward + backward + AdamW on the student; the distillation step adds the frozen
+teacher's forward and the chunked KL. They are timed interleaved in one process (so machine noise hits
+both alike), and each mode's peak memory is measured in a fresh subprocess (peak RSS on CPU,
+max_memory_allocated on GPU). Target: ratio <= 1.45 (the teacher forward alone makes ~1.33).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from distill.losses import DistillLoss
+from models.errors import run_cli
+from models.hf_io import load_hf
+from models.teacher import DEFAULT_TEACHER, resolve_teacher
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def make_step(mode: str, student, teacher, opt, loss_fn, batch: torch.Tensor):
+    inputs, labels = batch[:, :-1], batch[:, 1:]
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        logits = student(inputs)
+        if mode == "ce":
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        else:
+            with torch.no_grad():
+                t_logits = teacher(inputs)
+            loss, _ = loss_fn(logits, t_logits, labels)
+        loss.backward()
+        opt.step()
+    return step
+
+
+def setup(teacher_dir, batch: int, seq_len: int, device, dtype):
+    student = load_hf(teacher_dir).to(device, dtype)
+    teacher = load_hf(teacher_dir).to(device, dtype).requires_grad_(False).eval()
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-5, foreach=True)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, student.cfg.vocab_size, (batch, seq_len + 1), generator=g).to(device)
+    return student, teacher, opt, DistillLoss(), tokens
+
+
+def peak_memory_of(mode: str, args) -> float:
+    """Run one mode alone in a subprocess; its peak memory in GiB."""
+    cmd = [sys.executable, "-m", "distill.bench_step", "--teacher", args.teacher, "--batch", str(args.batch),
+           "--seq-len", str(args.seq_len), "--repeats", "2", "--only", mode]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["peak_gib"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--teacher", default=DEFAULT_TEACHER)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--only", choices=["ce", "kd"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    teacher_dir = resolve_teacher(args.teacher)
+    student, teacher, opt, loss_fn, tokens = setup(teacher_dir, args.batch, args.seq_len, device, dtype)
+    modes = [args.only] if args.only else ["ce", "kd"]
+    steps = {m: make_step(m, student, teacher, opt, loss_fn, tokens) for m in modes}
+    for m in modes:  # warm-up (allocator, AdamW state)
+        steps[m]()
+    times = {m: [] for m in modes}
+    for _ in range(args.repeats):
+        for m in modes:
+            _sync(device)
+            t0 = time.perf_counter()
+            steps[m]()
+            _sync(device)
+            times[m].append(time.perf_counter() - t0)
+    if args.only:
+        peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
+                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        print(json.dumps({"mode": args.only, "peak_gib": peak / 2**30}))
+        return
+    ce, kd = statistics.median(times["ce"]), statistics.median(times["kd"])
+    print(f"device={device.type} dtype={dtype} batch={args.batch}x{args.seq_len} repeats={args.repeats}")
+    print(f"cross-entropy step  {ce * 1000:9.1f} ms (median)")
+    print(f"distillation step   {kd * 1000:9.1f} ms (median)")
+    print(f"ratio distill/CE    {kd / ce:9.3f}   (target <= 1.45)")
+    del student, teacher, opt
+    print(f"peak memory  CE {peak_memory_of('ce', args):.2f} GiB   distill {peak_memory_of('kd', args):.2f} GiB")
+
+
+if __name__ == "__main__":
+    run_cli(main)

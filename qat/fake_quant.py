@@ -1,0 +1,179 @@
+"""Quantisation-aware training: nn.Linear layers whose forward sees the int-quantised weight.
+
+FakeQuantLinear keeps the latent full-precision weight at `<module>.weight` (so checkpoints, masks and
+FSDP2 keep working unchanged) and its scales at `<module>.weight_scale` [out, n_groups] (zero points at
+`<module>.weight_zero_point`, compressed-tensors' names). The forward uses Q(w) = dequantize(quantize(w)),
+numerically identical to qat.quantizers.fake_quantize and so to what the exported checkpoint holds.
+
+Gradients:
+- fixed scales: straight-through estimator, w_hat = w + sg(Q(w) - w): dL/dw = dL/dw_hat.
+- learn_scale=True (LSQ, Esser et al. 2020): w_hat = s * clamp(round_ste(w / s), qmin, qmax), round
+  treated as the identity in backward and clamp passing gradient only inside the range, so s gets
+  round(w/s) - w/s inside the range and qmin/qmax where clipped; that gradient is scaled by
+  1/sqrt(group_width * qmax) (LSQ's step-size gradient scale, per group of weights sharing a scale).
+Both are written as value + (x - x.detach()) so the forward value is bit-exact, not x + (q - x).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.errors import SmeltError
+from models.llama import linear_names
+from qat.quantizers import QuantSpec, check_group, compute_qparams, fake_quantize, quantize
+
+
+def round_ste(x: torch.Tensor) -> torch.Tensor:
+    """round(x) forward, identity backward (exactly round(x) in value)."""
+    return x.detach().round() + (x - x.detach())
+
+
+def grad_scale(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """x forward, gradient multiplied by `factor` backward."""
+    return x.detach() + (x - x.detach()) * factor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly FSDP2-sharded) DTensor; a collective when sharded."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy a full tensor into dst in place, keeping dst's identity (and its sharding if a DTensor)."""
+    if hasattr(dst, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        src = distribute_tensor(src.to(dst.device), dst.device_mesh, dst.placements)
+    _local(dst).copy_(_local(src))
+
+
+class FakeQuantLinear(nn.Linear):
+    """nn.Linear that computes with the fake-quantised weight (see the module docstring)."""
+
+    def __init__(self, in_features: int, out_features: int, spec: QuantSpec, bias: bool = False,
+                 learn_scale: bool = False, device=None, dtype=None):
+        check_group(in_features, spec.group_size, "FakeQuantLinear")
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.spec, self.learn_scale = spec, learn_scale
+        self._alloc_qparams(self.weight.device)
+        self.register_buffer("weight_mask", None, persistent=False)  # masks are saved by train.masks
+
+    def _alloc_qparams(self, device: torch.device) -> None:
+        """Scales of 1 (zero points of 0) until init_scales(); fp32 whatever the weight dtype."""
+        shape = (self.out_features, self.spec.n_groups(self.in_features))
+        scale = torch.ones(shape, dtype=torch.float32, device=device)
+        if self.learn_scale:
+            self.weight_scale = nn.Parameter(scale)
+        else:
+            self.register_buffer("weight_scale", scale)
+        zp = None if self.spec.symmetric else torch.zeros(shape, dtype=torch.int8, device=device)
+        self.register_buffer("weight_zero_point", zp)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, spec: QuantSpec, learn_scale: bool = False,
+                    name: str = "linear") -> FakeQuantLinear:
+        """Wrap `linear`'s own weight/bias Parameters (same objects: optimizers, ties and FSDP see no
+        change). Scales are initialised now unless the weight is on the meta device."""
+        check_group(linear.in_features, spec.group_size, name)
+        mod = cls(linear.in_features, linear.out_features, spec, bias=linear.bias is not None,
+                  learn_scale=learn_scale, device="meta")
+        mod.weight, mod.bias = linear.weight, linear.bias
+        mod._alloc_qparams(linear.weight.device)
+        if not linear.weight.is_meta:
+            mod.init_scales()
+        return mod
+
+    def set_mask(self, mask: torch.Tensor | None) -> None:
+        """Fixed bool keep-mask: the module then computes with Q(w * mask), so pruned weights stay 0."""
+        if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != tuple(self.weight.shape)):
+            raise SmeltError(f"mask must be bool {tuple(self.weight.shape)}, got {tuple(mask.shape)} {mask.dtype}")
+        self.weight_mask = None if mask is None else mask.to(self.weight.device)
+
+    def _masked(self, w: torch.Tensor) -> torch.Tensor:
+        return w if self.weight_mask is None else w * self.weight_mask.to(w.dtype)
+
+    @torch.no_grad()
+    def init_scales(self) -> None:
+        """(Re)compute scales/zero points from the current weight with spec.scale_init (minmax or mse).
+        Call after a meta-device model is materialised and its weights loaded; collective under FSDP2."""
+        if self.weight.is_meta:
+            raise SmeltError("init_scales needs real weights: materialise the model (to_empty + load) first")
+        if self.weight_scale.is_meta:  # to_empty() materialises buffers too; this covers loading by assign
+            self._alloc_qparams(self.weight.device)
+        scale, zp = compute_qparams(self._masked(_full(self.weight.detach()).float()), self.spec)
+        _copy_into(self.weight_scale, scale)
+        if zp is not None:
+            _copy_into(self.weight_zero_point, zp)
+
+    def quantized_weight(self) -> torch.Tensor:
+        """The weight the forward uses, w_hat, differentiable w.r.t. weight (and weight_scale)."""
+        spec = self.spec
+        w = self._masked(self.weight.float())
+        zp = self.weight_zero_point
+        if not self.learn_scale:
+            q = fake_quantize(w.detach(), self.weight_scale.detach().float(), zp, spec)
+            return q + (w - w.detach())  # STE
+        gw = spec.group_width(self.in_features)
+        s = grad_scale(self.weight_scale.float(), 1.0 / math.sqrt(gw * spec.qmax))
+        s = s.clamp_min(torch.finfo(torch.float32).eps)[..., None]  # as compressed-tensors, scale > 0
+        z = 0.0 if zp is None else zp[..., None].float()
+        x = w.reshape(self.out_features, -1, gw) / s + z
+        q = round_ste(x.clamp(spec.qmin, spec.qmax))
+        return ((q - z) * s).reshape(w.shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.quantized_weight().to(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return (f"{super().extra_repr()}, int{s.bits} {'sym' if s.symmetric else 'asym'}, "
+                f"group_size={s.group_size or 'channel'}, learn_scale={self.learn_scale}")
+
+
+def fake_quant_modules(model: nn.Module) -> dict[str, FakeQuantLinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, FakeQuantLinear)}
+
+
+def swap_to_fake_quant(model: nn.Module, spec: QuantSpec, skip: tuple[str, ...] = ("output", "tok_embeddings"),
+                       learn_scale: bool = False) -> list[str]:
+    """Replace the model's nn.Linear layers (all but `skip`) by FakeQuantLinear in place; returns their
+    names. Every layer is checked before any is swapped. Works on meta-device models: call
+    init_scales(model) once the weights are real."""
+    names = linear_names(model, skip)
+    modules = dict(model.named_modules())
+    for name in names:
+        if isinstance(modules[name], FakeQuantLinear):
+            raise SmeltError(f"{name} is already fake-quantised")
+        check_group(modules[name].in_features, spec.group_size, name)
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        setattr(modules[parent], child, FakeQuantLinear.from_linear(modules[name], spec, learn_scale, name))
+    return names
+
+
+def init_scales(model: nn.Module) -> list[str]:
+    """init_scales() on every FakeQuantLinear of the model; returns their names."""
+    mods = fake_quant_modules(model)
+    for m in mods.values():
+        m.init_scales()
+    return list(mods)
+
+
+@torch.no_grad()
+def freeze(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """{module name: (int8 codes [out, in], fp32 scale [out, n_groups], int8 zero point or None)} for
+    export; dequantize() of these equals the weight the forward used. Collective under FSDP2."""
+    out = {}
+    for name, m in fake_quant_modules(model).items():
+        w = m._masked(_full(m.weight.detach()).float())
+        scale = _full(m.weight_scale.detach()).float().clamp_min(torch.finfo(torch.float32).eps)
+        zp = m.weight_zero_point
+        out[name] = (quantize(w, scale, zp, m.spec), scale.clone(), None if zp is None else zp.clone())
+    return out
