@@ -47,9 +47,9 @@ def make_step(mode: str, student, teacher, opt, loss_fn, batch: torch.Tensor):
     return step
 
 
-def setup(teacher_dir, batch: int, seq_len: int, device, dtype):
+def setup(teacher_dir, batch: int, seq_len: int, device, dtype, with_teacher: bool = True):
     student = load_hf(teacher_dir).to(device, dtype)
-    teacher = load_hf(teacher_dir).to(device, dtype).requires_grad_(False).eval()
+    teacher = load_hf(teacher_dir).to(device, dtype).requires_grad_(False).eval() if with_teacher else None
     opt = torch.optim.AdamW(student.parameters(), lr=1e-5, foreach=True)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, student.cfg.vocab_size, (batch, seq_len + 1), generator=g).to(device)
@@ -75,7 +75,8 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     teacher_dir = resolve_teacher(args.teacher)
-    student, teacher, opt, loss_fn, tokens = setup(teacher_dir, args.batch, args.seq_len, device, dtype)
+    student, teacher, opt, loss_fn, tokens = setup(teacher_dir, args.batch, args.seq_len, device, dtype,
+                                                   with_teacher=args.only != "ce")
     modes = [args.only] if args.only else ["ce", "kd"]
     steps = {m: make_step(m, student, teacher, opt, loss_fn, tokens) for m in modes}
     for m in modes:  # warm-up (allocator, AdamW state)

@@ -175,13 +175,13 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
     selected = _selector(targets)
     cos, sin = model.rope_cos[:seq_len], model.rope_sin[:seq_len]
     seconds = {"forward_s": 0.0, "stats_s": 0.0, "on_block_s": 0.0}
-    was_training = model.training
+    was_training, bar = model.training, None
     model.eval()
     try:
         # The current block's inputs, one tensor per batch; replaced in place by the block's outputs.
         hidden = [model.tok_embeddings(b.to(device)) for b in windows.split(cfg.batch_size)]
-        for key, block in tqdm(list(model.layers.items()), desc="calibrate", unit="block",
-                               disable=not progress):
+        bar = tqdm(total=len(model.layers), desc="calibrate", unit="block", disable=not progress)
+        for key, block in model.layers.items():
             prefix = f"layers.{key}"
             linears = {f"{prefix}.{n}": m for n, m in block.named_modules()
                        if isinstance(m, nn.Linear) and selected(f"{prefix}.{n}")}
@@ -206,6 +206,9 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
                 for i, h in enumerate(hidden):
                     hidden[i] = block(h, cos, sin)
                 seconds["forward_s"] += time.perf_counter() - t0
+            bar.update()
     finally:
+        if bar is not None:
+            bar.close()  # before any error is printed, so the message stays the last line
         model.train(was_training)
     return seconds

@@ -20,10 +20,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from configs.schema import build
+from eval.evaluate import EvalConfig, default_device, evaluate, format_table, parse_windows, weights_fingerprint
+from models.artifact import atomic_dir, write_manifest
 from models.errors import SmeltError, run_cli
+from models.hf_io import load_hf, load_tokenizer, save_hf
+from models.teacher import DEFAULT_TEACHER, resolve_teacher
 from prune import algorithms
 from prune.calibrate import CalibConfig, LinearStats, run_blocks
 from prune.patterns import check_nm, check_sparsity
+from train.masks import save_masks
 
 METHODS = ("magnitude", "wanda", "sparsegpt", "obs")
 CALIBRATED = ("wanda", "sparsegpt", "obs")
@@ -103,8 +109,12 @@ def _prune_weight(method: str, W: torch.Tensor, stats: LinearStats | None, spars
     return algorithms.obs_prune(W, stats.H, sparsity, n, m, percdamp)
 
 
-def _check_settings(model, targets, method, sparsity, n, m, blocksize, percdamp) -> None:
-    """Fail before any forward pass, not after calibrating half the model."""
+def check_settings(model: nn.Module, method: str, sparsity: float, n: int = 0, m: int = 0,
+                   skip: tuple[str, ...] = DEFAULT_SKIP, blocksize: int = 128, percdamp: float = 0.01
+                   ) -> list[str]:
+    """Validate everything that does not need data; returns the target linears. Fails before any
+    tokenizing or forward pass, not after calibrating half the model."""
+    targets = prune_targets(model, tuple(skip))
     if method not in METHODS:
         raise SmeltError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
     check_sparsity(sparsity)
@@ -119,6 +129,7 @@ def _check_settings(model, targets, method, sparsity, n, m, blocksize, percdamp)
         raise SmeltError(f"blocksize={blocksize} must be a positive integer" + (f" multiple of M={m}" if m else ""))
     if not (math.isfinite(percdamp) and percdamp >= 0):
         raise SmeltError(f"percdamp={percdamp} must be a finite number >= 0 (e.g. 0.01)")
+    return targets
 
 
 @torch.no_grad()
@@ -137,8 +148,7 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
     cfg = cfg or CalibConfig()
     if n or m:
         sparsity = 1.0 - n / m if 0 < n < m else sparsity
-    targets = prune_targets(model, tuple(skip))
-    _check_settings(model, targets, method, sparsity, n, m, blocksize, percdamp)
+    targets = check_settings(model, method, sparsity, n, m, skip, blocksize, percdamp)
     modules = dict(model.named_modules())
     masks: dict[str, torch.Tensor] = {}
     per_module: dict[str, dict] = {}
@@ -190,8 +200,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parse_args(argv):
-    from models.teacher import DEFAULT_TEACHER
-
     ap = _Parser(prog="python -m prune.run", description=__doc__.split("\n")[0])
     ap.add_argument("--teacher", default=DEFAULT_TEACHER, help="registered name, .gguf or HF directory")
     ap.add_argument("--method", required=True, help=f"one of {', '.join(METHODS)}")
@@ -211,6 +219,8 @@ def _parse_args(argv):
                     help="calibrate every block on the dense model's activations (one forward per block)")
     ap.add_argument("--overwrite", action="store_true")
     ap.add_argument("--eval", action="store_true", help="evaluate against the teacher (metrics in the manifest)")
+    ap.add_argument("--eval-windows", help="per-bucket eval windows, e.g. en=16,zh=8,code=8 (EvalConfig default)")
+    ap.add_argument("--eval-seq-len", type=int, help="eval window length (EvalConfig default)")
     return ap.parse_args(argv)
 
 
@@ -224,21 +234,20 @@ def main(argv: list[str] | None = None) -> None:
     cfg = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, seed=args.seed,
                       batch_size=args.calib_batch_size, sequential=not args.no_sequential)
     skip = tuple(s.strip() for s in args.skip.split(",") if s.strip())
+    eval_overrides = {"windows": parse_windows(args.eval_windows)} if args.eval_windows else {}
+    if args.eval_seq_len is not None:
+        eval_overrides["seq_len"] = args.eval_seq_len
+    eval_cfg = build(EvalConfig, eval_overrides)
     out = Path(args.out)
     if out.exists() and not args.overwrite:
         raise SmeltError(f"output directory {out} already exists (pass --overwrite to replace it)")
-
-    from eval.evaluate import default_device, evaluate, format_table, weights_fingerprint
-    from models.artifact import atomic_dir, write_manifest
-    from models.hf_io import load_hf, load_tokenizer, save_hf
-    from models.teacher import resolve_teacher
-    from train.masks import save_masks
 
     teacher_dir = resolve_teacher(args.teacher)
     if out.resolve() == teacher_dir.resolve():
         raise SmeltError(f"--out {out} is the teacher directory itself")
     tokenizer = load_tokenizer(teacher_dir)
     model = load_hf(teacher_dir, device=str(default_device()))
+    check_settings(model, args.method, sparsity, n, m, skip, args.blocksize, args.percdamp)
     calibrated = args.method in CALIBRATED
     windows = cfg.windows(tokenizer) if calibrated else None
     masks, report = prune_model(model, windows, args.method, sparsity, n, m, skip, args.blocksize,
@@ -256,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
                "timings_s": report["timings_s"]}
     eval_settings = None
     if args.eval:
-        ev = evaluate(model, teacher_dir, tokenizer=tokenizer)
+        ev = evaluate(model, teacher_dir, eval_cfg, tokenizer=tokenizer)
         metrics["eval"], eval_settings = ev["buckets"], ev["settings"]
         print(format_table(ev, title=f"{out} ({args.method} {args.pattern or args.sparsity}) vs teacher"))
     settings = {
