@@ -203,3 +203,33 @@ def test_bad_trainer_config_is_refused(dirs, tmp_path):
     cfg.student, cfg.teacher = str(dirs / "student"), str(tmp_path / "t300")
     with pytest.raises(SmeltError, match="vocab_size 300 != --student vocab_size 260"):
         SmeltTrainer(cfg)
+
+
+def test_qat_through_the_trainer_keeps_2of4_and_exports_on_grid(dirs, tmp_path):
+    from prune.patterns import mask_is_nm, nm_mask
+    from qat.qparams import read_qparams
+
+    student = load_hf(dirs / "teacher")
+    masks = {}
+    with torch.no_grad():
+        for name, mod in student.named_modules():
+            if isinstance(mod, torch.nn.Linear) and name not in ("output",):
+                keep = nm_mask(mod.weight.abs(), 2, 4)
+                mod.weight.mul_(keep)
+                masks[name] = keep
+    save_hf(student, _mk(tmp_path / "s24"), tokenizer=make_byte_tokenizer())
+    save_masks(student, masks, tmp_path / "s24")
+    cmd = TORCHRUN[:-1] + ["debug_qat", "--student", str(tmp_path / "s24"), "--teacher", str(dirs / "teacher"),
+                           "--dump_folder", str(tmp_path / "run"), "--export_dir", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = load_hf(tmp_path / "out")
+    qparams, spec = read_qparams(tmp_path / "out")
+    assert spec.group_size == 32 and len(qparams) == len(masks)
+    for name, mod in out.named_modules():
+        if name in masks:
+            w = mod.weight.detach()
+            assert mask_is_nm(w != 0, 2, 4)  # still 2:4 after QAT
+            scale = qparams[name][0].repeat_interleave(32, dim=1)
+            q = w / scale
+            assert (q - q.round()).abs().max() < 1e-3 and q.round().abs().max() <= 8  # on the int4 grid

@@ -66,3 +66,23 @@ def debug_diverge() -> SmeltTrainer.Config:
     """debug_distill with an absurd learning rate: exercises the NaN/inf stop (tests)."""
     cfg = _config(steps=8, batch=2, seq_len=32, lr=1e30, warmup=0, interval=1)
     return cfg
+
+
+def debug_qat() -> SmeltTrainer.Config:
+    """Tiny QAT run: int4 symmetric g32 fake quantization (STE) + KL to the teacher (tests)."""
+    cfg = _config(steps=4, batch=2, seq_len=32, lr=1e-3, warmup=1, interval=2)
+    cfg.model_spec.model.fake_quant = {"bits": 4, "symmetric": True, "group_size": 32}
+    return cfg
+
+
+def smollm2_qat() -> SmeltTrainer.Config:
+    """W4 g64 symmetric QAT of SmolLM2-135M with KD to its full-precision self: 300 steps of 4 x 256.
+
+    Learned (LSQ) scales initialised from the starting artifact's qparams (GPTQ) when present, else by
+    MSE-searched clipping. Global batch 4 whatever the rank count (gradient accumulation fills it).
+    """
+    cfg = _config(steps=300, batch=2, seq_len=256, lr=1e-5, warmup=10, interval=50)
+    cfg.training.global_batch_size = 4
+    cfg.model_spec.model.fake_quant = {"bits": 4, "symmetric": True, "group_size": 64, "scale_init": "mse",
+                                       "learn_scale": True}
+    return cfg

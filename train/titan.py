@@ -34,6 +34,8 @@ class SmeltModel(BaseModel):
         """models.llama.LlamaConfig fields; read from init_from's config.json when empty."""
         seed: int = 0
         """Random-init seed when init_from is empty (debug runs)."""
+        fake_quant: dict = field(default_factory=dict)
+        """QAT: qat.quantizers.QuantSpec fields plus learn_scale / skip; empty = no fake quantization."""
 
         def update_from_config(self, *, config, **kwargs) -> None:
             student = getattr(config, "student", "")
@@ -54,6 +56,11 @@ class SmeltModel(BaseModel):
         super().__init__()
         self.config = config
         self.inner = Transformer(LlamaConfig.from_dict(config.arch))
+        if config.fake_quant:  # post-build module swap, before parallelize (FSDP2 sees the final modules)
+            from qat.fake_quant import swap_to_fake_quant
+
+            spec, learn_scale, skip = fake_quant_settings(config.fake_quant)
+            swap_to_fake_quant(self.inner, spec, skip=skip, learn_scale=learn_scale)
 
     def verify_module_protocol(self) -> None:
         return  # the inner model is plain nn.Module by design (one definition for every stage)
@@ -65,12 +72,30 @@ class SmeltModel(BaseModel):
             self.inner.init_rope(buffer_device or self.inner.tok_embeddings.weight.device)
         else:
             self.inner.init_weights(buffer_device=buffer_device, seed=self.config.seed)
+        if self.config.fake_quant:
+            from qat.fake_quant import init_scales
+            from qat.qparams import load_qparams_into
+
+            # Scales saved by a PTQ stage (GPTQ) are kept; otherwise they come from the weights.
+            if not (self.config.init_from and load_qparams_into(self.inner, self.config.init_from)):
+                init_scales(self.inner)
 
     def init_states(self, *, buffer_device=None) -> None:
         self.init_weights(buffer_device=buffer_device)
 
     def forward(self, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
         return self.inner(tokens)
+
+
+def fake_quant_settings(d: dict):
+    """Split a fake_quant config dict into (QuantSpec, learn_scale, skip); unknown keys are refused."""
+    from configs.schema import build
+    from qat.quantizers import QuantSpec
+
+    d = dict(d)
+    learn_scale = bool(d.pop("learn_scale", False))
+    skip = tuple(d.pop("skip", ("output", "tok_embeddings")))
+    return build(QuantSpec, d, "fake_quant"), learn_scale, skip
 
 
 def fsdp_mesh(parallel_dims):

@@ -164,10 +164,18 @@ class SmeltTrainer(Trainer):
 
     @torch.no_grad()
     def export(self, out_dir: Path) -> None:
-        """Gather the student (collective) and write it as an artifact from rank 0."""
-        full = {}
-        for name, p in self.student.named_parameters():
-            full[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu()
+        """Gather the student (collective) and write it as an artifact from rank 0.
+
+        A QAT student is written as its fake-quantized weights (so the artifact's logits are the
+        quantized model's) plus qparams.safetensors with the scales the release packs.
+        """
+        from qat.fake_quant import fake_quant_modules, freeze
+        from qat.qparams import save_qparams
+        from qat.quantizers import dequantize
+
+        full = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu()
+                for name, p in self.student.named_parameters()}
+        frozen = freeze(self.student) if fake_quant_modules(self.student) else {}
         masks = {n: (m.to(torch.uint8).full_tensor() if hasattr(m, "full_tensor") else m).bool().cpu()
                  for n, _, m in self.masks.pairs}
         if dist.is_initialized() and dist.get_rank() != 0:
@@ -175,24 +183,33 @@ class SmeltTrainer(Trainer):
         with torch.device("meta"):
             model = Transformer(self.student.cfg)
         model = model.to_empty(device="cpu")
-        missing = set(model.layers.keys()) - set(self.student.layers.keys())
-        for k in missing:  # depth-pruned students keep their original layer keys
-            del model.layers[k]
-        model.load_state_dict(full, strict=False)
+        for k in set(model.layers.keys()) - set(self.student.layers.keys()):
+            del model.layers[k]  # depth-pruned students keep their original layer keys
+        spec = None
+        for name, (q, scale, zp) in frozen.items():
+            spec = fake_quant_modules(self.student)[name].spec
+            full[f"{name}.weight"] = dequantize(q, scale, zp, spec).float()
+        wanted = model.state_dict().keys()
+        model.load_state_dict({k: v for k, v in full.items() if k in wanted}, strict=False)
         if model.cfg.tie_embeddings:
             model.output.weight = model.tok_embeddings.weight
         cfg = self.config
         tok_src = cfg.student if (Path(cfg.student) / "tokenizer.json").is_file() else self.teacher_dir
+        stage = "qat" if frozen else ("distill" if self.teacher is not None else "train")
         with atomic_dir(out_dir, overwrite=True) as tmp:
             save_hf(model, tmp, tokenizer=load_tokenizer(tok_src) if tok_src else None)
             if masks:
                 save_masks(model, masks, tmp)
+            if frozen:
+                save_qparams(model, {n: (s, z) for n, (_, s, z) in frozen.items()}, spec, tmp)
             parent = read_manifest(cfg.student) if (Path(cfg.student) / "manifest.json").is_file() else None
-            write_manifest(tmp, stage="distill" if self.teacher is not None else "train", settings={
+            write_manifest(tmp, stage=stage, settings={
                 "student": cfg.student, "teacher": str(self.teacher_dir or ""),
                 "loss": _plain(cfg.loss), "steps": self.step, "tokens_seen": int(self.ntokens_seen),
                 "local_batch_size": cfg.training.local_batch_size, "seq_len": cfg.training.seq_len,
                 "dp_shard": self.parallel_dims.dp_shard, "optimizer": _plain(cfg.optimizer),
+                "fake_quant": dict(cfg.model_spec.model.fake_quant),
+                "data": _plain(cfg.dataloader),
             }, parent={"stage": parent["stage"], "settings": parent["settings"]} if parent else None)
         logger.info("exported the student to %s", out_dir)
 
