@@ -1,0 +1,234 @@
+"""Release export: a quantized artifact -> a Hugging Face directory that serving stacks load without smelt.
+
+    python -m qat.release --artifact runs/qat/final --out releases/model-w4 [--overwrite]
+
+Weights go out in compressed-tensors' `pack-quantized` format (what vLLM and transformers load): per
+quantized Linear int32 `weight_packed`, fp32 `weight_scale` [out, groups] and `weight_shape`, written by
+compressed-tensors' own compressor from the exact integer codes of the artifact (symmetric int4/int8).
+2:4 structure goes to our own `sparsity.safetensors` + `sparsity.json` (config.json keeps
+`"sparsity_config": {}`, as recent vLLM rejects anything else). `smelt_release.json` records provenance
+and the sha256 of every other file. Layout: docs/release-format.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from models.artifact import atomic_dir, read_manifest, sha256_file
+from models.errors import SmeltError, run_cli
+from models.hf_io import read_hf_config, to_hf_name
+from prune.patterns import mask_is_nm
+from qat.qparams import QPARAMS_FILE, read_qparams, spec_to_dict
+from qat.quantizers import QuantSpec, check_group, dequantize, quantize
+from train.masks import MASKS_FILE
+
+RELEASE_MANIFEST = "smelt_release.json"
+SPARSITY_FILE = "sparsity.safetensors"
+SPARSITY_JSON = "sparsity.json"
+COMPRESSION_FORMAT = "pack-quantized"
+# Copied through unchanged: tokenizer files, generation defaults, MTP heads of a later stage.
+PASSTHROUGH = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+               "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+               "generation_config.json", "mtp.safetensors")
+SPARSITY_LAYOUT = ("per module '<module>.keep_bits': uint8 [out, ceil(in/8)], the bool keep-mask packed "
+                   "along the input dim, little-endian bit order (input i -> byte i//8, bit i%8), so each "
+                   "nibble is one group of 4 inputs (bit j = position j kept); padding bits are 0")
+_MAX_CHAIN = 32  # manifest parent links followed at most (guards against cycles)
+
+
+def ct_scheme(spec: QuantSpec):
+    """compressed-tensors QuantizationScheme for our weight-only spec (W4A16 / W8A16, pack-quantized)."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    args = QuantizationArgs(**spec.ct_args(), dynamic=False)
+    return QuantizationScheme(targets=["Linear"], weights=args, format=COMPRESSION_FORMAT)
+
+
+def ct_quantization_config(spec: QuantSpec, ignore: list[str]) -> dict:
+    """config.json's `quantization_config`, laid out as compressed-tensors' ModelCompressor writes it."""
+    import compressed_tensors
+    from compressed_tensors.quantization import QuantizationConfig
+
+    qc = QuantizationConfig(config_groups={"group_0": ct_scheme(spec)}, format=COMPRESSION_FORMAT,
+                            quantization_status="compressed", ignore=ignore)
+    return {"version": compressed_tensors.__version__, "quant_method": "compressed-tensors",
+            "sparsity_config": {}, "transform_config": {},
+            **qc.model_dump(mode="json", exclude={"quant_method"})}
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """bool [out, in] -> uint8 [out, ceil(in/8)], little-endian bits (see SPARSITY_LAYOUT)."""
+    out, n = mask.shape
+    m = torch.nn.functional.pad(mask.to(torch.uint8), (0, -n % 8)).reshape(out, -1, 8)
+    return (m << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+
+
+def unpack_mask(bits: torch.Tensor, in_features: int) -> torch.Tensor:
+    m = (bits[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1
+    return m.reshape(bits.shape[0], -1)[:, :in_features].bool()
+
+
+def stage_chain(manifest: dict) -> list[dict]:
+    """The stages that made the artifact, oldest first. Parents are either embedded manifests
+    ({"stage", "settings", ...}) or references ({"path"}) whose manifest.json is read if it still exists."""
+    chain, node = [], manifest
+    for _ in range(_MAX_CHAIN):
+        if not node:
+            break
+        if "stage" in node:
+            chain.append({k: node[k] for k in ("stage", "created", "settings") if k in node})
+        parent = node.get("parent")
+        if parent and "stage" not in parent:  # a reference: follow it while its manifest still exists
+            path = parent.get("path")
+            if path and (Path(path) / "manifest.json").is_file():
+                parent = read_manifest(path)
+            else:  # a source without a manifest (e.g. a downloaded teacher): record what we know
+                chain.append({"stage": "source", **parent})
+                parent = None
+        node = parent
+    return chain[::-1]
+
+
+def _read_weights(art: Path) -> dict[str, torch.Tensor]:
+    index = art / "model.safetensors.index.json"
+    files = (sorted({art / f for f in json.loads(index.read_text())["weight_map"].values()})
+             if index.is_file() else [art / "model.safetensors"])
+    state = {}
+    for f in files:
+        if not f.is_file():
+            raise SmeltError(f"{art} has no {f.name}")
+        with safe_open(str(f), framework="pt") as sf:
+            names = sf.keys()  # safe_open is not iterable
+            state.update({k: sf.get_tensor(k) for k in names})
+    return state
+
+
+def integer_codes(name: str, w: torch.Tensor, scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Codes q with dequantize(q) == w, recovered from the stored weight; SmeltError if w is off-grid."""
+    check_group(w.shape[1], spec.group_size, name)
+    want = (w.shape[0], spec.n_groups(w.shape[1]))
+    if tuple(scale.shape) != want:
+        raise SmeltError(f"{QPARAMS_FILE}: {name} scale shape {tuple(scale.shape)} != {list(want)} "
+                         f"(group_size={spec.group_size} per its metadata)")
+    if not (torch.isfinite(scale).all() and (scale > 0).all()):
+        raise SmeltError(f"{QPARAMS_FILE}: {name} has non-finite or non-positive scales")
+    q = quantize(w.float(), scale, None, spec)
+    deq = dequantize(q, scale, None, spec)
+    # w was stored as dequantize(q) cast to its dtype: allow that dtype's rounding and nothing more
+    # (an off-grid weight misses by up to half a step, orders of magnitude above this).
+    s = scale.repeat_interleave(spec.group_width(w.shape[1]), dim=1)
+    tol = 2 * torch.finfo(w.dtype).eps * torch.maximum(deq.abs(), s)
+    if ((w.float() - deq).abs() > tol).any():
+        raise SmeltError(f"weights of {name} are not on the int{spec.bits} grid of {QPARAMS_FILE} "
+                         "(artifact broken)")
+    return q
+
+
+def compress_module(name: str, q: torch.Tensor, scale: torch.Tensor, spec: QuantSpec,
+                    scheme) -> dict[str, torch.Tensor]:
+    """compressed-tensors' own pack-quantized tensors for one Linear, checked to hold exactly q."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    # Feeding dequantize(q) in fp32: the compressor's round(w / scale) gives back q exactly.
+    sd = {"weight": dequantize(q, scale, None, spec), "weight_scale": scale}
+    out = PackedQuantizationCompressor.compress(sd, scheme)
+    if not torch.equal(unpack_from_int32(out["weight_packed"], spec.bits, q.shape), q):
+        raise RuntimeError(f"{name}: compressed-tensors packed different codes than the artifact holds")
+    return {f"{name}.{k}": v.contiguous() for k, v in out.items()}
+
+
+def build_release(artifact_dir: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
+    art, out = Path(artifact_dir), Path(out_dir)
+    if not art.is_dir():
+        raise SmeltError(f"artifact directory {art} does not exist")
+    manifest = read_manifest(art)
+    qparams, spec = read_qparams(art)  # SmeltError if not quantized or bits not in (4, 8)
+    if not spec.symmetric:
+        # compressed-tensors 0.20 packs asymmetric zero points, but its own load path (transformers)
+        # expects them unpacked and fails: such a release would not load anywhere we can test.
+        raise SmeltError("asymmetric quantisation cannot be released (compressed-tensors pack-quantized "
+                         "zero points do not load in transformers): quantise with symmetric: true")
+    config = read_hf_config(art)
+    if "quantization_config" in config:
+        raise SmeltError(f"{art}/config.json already has a quantization_config (already a release?)")
+    state = _read_weights(art)
+    masks = load_file(str(art / MASKS_FILE)) if (art / MASKS_FILE).is_file() else {}
+
+    # Masks first: a broken mask is a clearer diagnosis than the off-grid error it may also cause.
+    sparse = {}
+    for name, mask in masks.items():
+        w = state.get(f"{name}.weight")
+        if w is None or tuple(w.shape) != tuple(mask.shape):
+            raise SmeltError(f"{MASKS_FILE}: {name} has no weight of shape {tuple(mask.shape)} in the model")
+        is24 = mask.shape[1] % 4 == 0 and mask_is_nm(mask, 2, 4)
+        bad = int((w[~mask.bool()] != 0).sum())
+        if bad:
+            kind = "2:4 mask" if is24 else "mask"
+            raise SmeltError(f"{name}: {bad} weights are non-zero where the {kind} removes them")
+        if is24:
+            sparse[name] = mask.bool()  # unstructured masks are enforced but not declared
+
+    scheme = ct_scheme(spec)
+    tensors = {}
+    for ours in sorted(qparams):
+        name = to_hf_name(ours)
+        scale = qparams[ours][0].float()
+        w = state.pop(f"{name}.weight", None)
+        if w is None:
+            raise SmeltError(f"{QPARAMS_FILE} has scales for {name}, model.safetensors has no {name}.weight")
+        q = integer_codes(name, w, scale, spec)
+        tensors.update(compress_module(name, q, scale, spec, scheme))
+    tensors.update(state)  # embeddings, norms, untied lm_head: as they are
+    # Every Linear left dense must be ignored, else loaders expect packed weights for it.
+    dense = sorted(k.removesuffix(".weight") for k, v in state.items()
+                   if v.ndim == 2 and k.endswith("_proj.weight"))
+    ignore = ([] if "output" in qparams else ["lm_head"]) + dense
+
+    config["quantization_config"] = ct_quantization_config(spec, ignore)
+    settings = {"quantization": {**spec_to_dict(spec), "format": COMPRESSION_FORMAT, "ignore": ignore,
+                                 "modules": len(qparams)},
+                "sparsity": {"pattern": "2:4", "modules": len(sparse),
+                             "undeclared_masks": sorted(set(masks) - set(sparse))} if masks else None,
+                "source": str(art.resolve())}
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if sparse:
+            save_file({f"{k}.keep_bits": pack_mask(m) for k, m in sparse.items()}, str(tmp / SPARSITY_FILE),
+                      metadata={"format": "smelt-sparsity/1"})
+            (tmp / SPARSITY_JSON).write_text(json.dumps({
+                "format": "smelt-sparsity/1", "pattern": "2:4", "file": SPARSITY_FILE,
+                "layout": SPARSITY_LAYOUT,
+                "modules": {k: {"shape": list(m.shape), "density": round(m.float().mean().item(), 6)}
+                            for k, m in sorted(sparse.items())}}, indent=2) + "\n")
+        for f in PASSTHROUGH:
+            if (art / f).is_file():
+                shutil.copy2(art / f, tmp / f)
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        (tmp / RELEASE_MANIFEST).write_text(json.dumps({
+            "format": "smelt-release/1", "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "stages": stage_chain(manifest), "settings": settings, "metrics": manifest.get("metrics", {}),
+            "files": files}, indent=2) + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Export a quantized artifact as a compressed-tensors release.")
+    ap.add_argument("--artifact", required=True, help="quantized artifact (with qparams.safetensors)")
+    ap.add_argument("--out", required=True, help="release directory to write")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing release directory")
+    args = ap.parse_args(argv)
+    out = build_release(args.artifact, args.out, overwrite=args.overwrite)
+    print(f"release written to {out} (check it with: python -m qat.verify {out})")
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,241 @@
+"""Check a release directory written by qat.release before it is handed to serving.
+
+    python -m qat.verify RELEASE
+
+Prints a checklist; exits 0 when every check passes, 1 otherwise (one `FAIL` line per failure).
+Checks: file sha256s against smelt_release.json; config.json's compressed-tensors quantization_config;
+per quantized Linear the packing shapes (int32 weight_packed for weight_shape and bits, scale
+[out, in/group]) and scale ranges (finite, > 0); that every declared 2:4 group of the *decompressed*
+weights has at most 2 non-zeros, all inside the recorded mask; and that transformers loads it
+(compressed-tensors decompresses on CPU) and a forward on a few tokens gives finite logits.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from models.artifact import sha256_file
+from qat.release import COMPRESSION_FORMAT, RELEASE_MANIFEST, SPARSITY_JSON, unpack_mask
+
+
+class Report:
+    """Checklist lines; `fail(msg)` records one failure line, `ok(msg)` a passed check."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self.failures: list[str] = []
+
+    def ok(self, msg: str) -> None:
+        self.lines.append(f"  ok    {msg}")
+
+    def fail(self, msg: str) -> None:
+        self.lines.append(f"  FAIL  {msg}")
+        self.failures.append(msg)
+
+
+def _check_files(rel: Path, r: Report) -> None:
+    p = rel / RELEASE_MANIFEST
+    if not p.is_file():
+        r.fail(f"{RELEASE_MANIFEST} is missing (not a smelt release)")
+        return
+    files = json.loads(p.read_text()).get("files", {})
+    bad = 0
+    for name, digest in sorted(files.items()):
+        if not (rel / name).is_file():
+            r.fail(f"{name}: listed in {RELEASE_MANIFEST} but missing")
+        elif sha256_file(rel / name) != digest:
+            r.fail(f"{name}: sha256 does not match {RELEASE_MANIFEST} (file modified or corrupt)")
+        else:
+            continue
+        bad += 1
+    for extra in sorted(f.name for f in rel.iterdir() if f.is_file() and f.name not in files):
+        if extra != RELEASE_MANIFEST:
+            r.fail(f"{extra}: not listed in {RELEASE_MANIFEST}")
+            bad += 1
+    if not bad:
+        r.ok(f"sha256 of {len(files)} files match {RELEASE_MANIFEST}")
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def _scheme(rel: Path, r: Report):
+    """The release's single weight QuantizationScheme, or None (with a failure) if config.json is off."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    try:
+        qc = json.loads((rel / "config.json").read_text())["quantization_config"]
+        skip = ("version", "sparsity_config", "transform_config")  # not QuantizationConfig fields
+        cfg = QuantizationConfig.model_validate({k: v for k, v in qc.items() if k not in skip})
+    except Exception as e:  # noqa: BLE001 - any parse error is a failed check, reported in one line
+        r.fail(f"config.json: no valid compressed-tensors quantization_config ({_first_line(e)})")
+        return None
+    problems = []
+    if qc.get("sparsity_config") != {}:
+        problems.append('"sparsity_config" must be {} (vLLM rejects other values)')
+    if cfg.format != COMPRESSION_FORMAT or cfg.quantization_status != "compressed":
+        problems.append(f"format/status {cfg.format}/{cfg.quantization_status}, "
+                        f"want {COMPRESSION_FORMAT}/compressed")
+    if len(cfg.config_groups) != 1:
+        problems.append(f"{len(cfg.config_groups)} config groups, expected 1")
+    elif not getattr(next(iter(cfg.config_groups.values())).weights, "symmetric", False):
+        problems.append("weights must be symmetrically quantised (smelt releases are)")
+    for p in problems:
+        r.fail(f"config.json: {p}")
+    if problems:
+        return None
+    scheme = next(iter(cfg.config_groups.values()))
+    w = scheme.weights
+    r.ok(f"config.json: compressed-tensors {COMPRESSION_FORMAT}, int{w.num_bits} {w.strategy} "
+         f"group_size={w.group_size} {'sym' if w.symmetric else 'asym'}, ignore={cfg.ignore}")
+    return scheme
+
+
+def _check_packing(rel: Path, scheme, r: Report) -> tuple[dict[str, dict[str, torch.Tensor]], set[str]]:
+    """({quantized module: its compressed tensors}, {modules that failed}): shapes, dtypes, scale ranges."""
+    w = scheme.weights
+    mods: dict[str, dict[str, torch.Tensor]] = {}
+    with safe_open(str(rel / "model.safetensors"), framework="pt") as f:
+        names = f.keys()  # safe_open is not iterable
+        for key in names:
+            mod, _, param = key.rpartition(".")
+            if param.startswith("weight_"):
+                mods.setdefault(mod, {})[param] = f.get_tensor(key)
+    bad = set()
+    for mod, t in sorted(mods.items()):
+        if not {"weight_packed", "weight_scale", "weight_shape"} <= set(t):
+            r.fail(f"{mod}: needs weight_packed, weight_scale and weight_shape, has {sorted(t)}")
+            bad.add(mod)
+            continue
+        out, inn = (int(x) for x in t["weight_shape"].tolist())
+        groups = 1 if w.group_size is None else inn / w.group_size
+        want_packed = (out, math.ceil(inn * w.num_bits / 32))
+        scale = t["weight_scale"]
+        errs = []
+        if t["weight_packed"].dtype != torch.int32 or tuple(t["weight_packed"].shape) != want_packed:
+            errs.append(f"weight_packed is {t['weight_packed'].dtype} {tuple(t['weight_packed'].shape)}, "
+                        f"want int32 {want_packed} for int{w.num_bits} {[out, inn]}")
+        if groups != int(groups) or tuple(scale.shape) != (out, int(groups)):
+            errs.append(f"weight_scale shape {tuple(scale.shape)} does not match [out, in/group] = "
+                        f"[{out}, {inn}/{w.group_size}]")
+        elif not (torch.isfinite(scale).all() and (scale > 0).all()):
+            errs.append(f"{int((~torch.isfinite(scale) | (scale <= 0)).sum())} scales are non-finite or <= 0")
+        for e in errs:
+            r.fail(f"{mod}: {e}")
+        if errs:
+            bad.add(mod)
+    if not mods:
+        r.fail("model.safetensors holds no packed weights")
+    elif not bad:
+        r.ok(f"packing: {len(mods)} modules with int32 weight_packed, scales [out, in/group], all finite > 0")
+    return mods, bad
+
+
+def _check_sparsity(rel: Path, scheme, mods: dict, bad_mods: set[str], r: Report) -> None:
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+
+    from prune.patterns import mask_is_nm
+
+    p = rel / SPARSITY_JSON
+    if not p.is_file():
+        r.ok("sparsity: none declared")
+        return
+    meta = json.loads(p.read_text())
+    bits = load_file(str(rel / meta["file"]))
+    n_bad, skipped = 0, 0
+    for mod, info in sorted(meta["modules"].items()):
+        if mod in bad_mods:  # its packing failure is reported already; it cannot be decompressed
+            skipped += 1
+            continue
+        key = f"{mod}.keep_bits"
+        if key not in bits:
+            r.fail(f"{mod}: declared 2:4 but {meta['file']} has no {key}")
+            n_bad += 1
+            continue
+        mask = unpack_mask(bits[key], info["shape"][1])
+        if mod in mods:  # decompress exactly as loaders do: the weights are what must be sparse
+            weight = PackedQuantizationCompressor.decompress(mods[mod], scheme)["weight"]
+        else:
+            with safe_open(str(rel / "model.safetensors"), framework="pt") as f:
+                weight = f.get_tensor(f"{mod}.weight")
+        if tuple(weight.shape) != tuple(mask.shape):
+            r.fail(f"{mod}: weight shape {tuple(weight.shape)} != mask shape {tuple(mask.shape)}")
+            n_bad += 1
+            continue
+        over = int(((weight != 0).reshape(-1, 4).sum(-1) > 2).sum())
+        outside = int((weight[~mask] != 0).sum())
+        if over:
+            r.fail(f"{mod}: {over} groups of 4 have more than 2 non-zero weights (declared 2:4)")
+        if outside:
+            r.fail(f"{mod}: {outside} weights are non-zero where the 2:4 mask removes them")
+        if not mask_is_nm(mask, 2, 4):
+            r.fail(f"{mod}: the mask in {meta['file']} keeps more than 2 of 4 somewhere")
+        n_bad += bool(over or outside or not mask_is_nm(mask, 2, 4))
+    if skipped:
+        r.lines.append(f"  skip  sparsity of {skipped} modules with invalid packing")
+    if not n_bad and len(meta["modules"]) > skipped:
+        r.ok(f"sparsity: {len(meta['modules']) - skipped} modules are 2:4 in their decompressed weights "
+             "and masks")
+
+
+def _check_load(rel: Path, r: Report, n_tokens: int = 8) -> None:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(rel), dtype=torch.float32)
+        model.eval()
+        vocab = model.config.vocab_size
+        ids = (torch.arange(n_tokens) * 7919 % vocab)[None]  # a few spread-out token ids
+        with torch.no_grad():
+            logits = model(ids).logits
+    except Exception as e:  # noqa: BLE001 - a load failure is a failed check, not a crash
+        r.fail(f"transformers load/forward failed: {_first_line(e)}")
+        return
+    if not torch.isfinite(logits).all():
+        r.fail("transformers forward gives non-finite logits")
+    else:
+        r.ok(f"transformers {type(model).__name__} loads and gives finite logits on {n_tokens} tokens")
+
+
+def verify_release(release_dir: str | Path, load: bool = True) -> Report:
+    """Run every check (`load=False` skips the transformers load); never raises for a bad release."""
+    rel, r = Path(release_dir), Report()
+    if not (rel / "config.json").is_file() or not (rel / "model.safetensors").is_file():
+        r.fail(f"{rel} has no config.json/model.safetensors (not a release directory)")
+        return r
+    _check_files(rel, r)
+    scheme = _scheme(rel, r)
+    if scheme is not None:
+        try:
+            mods, bad = _check_packing(rel, scheme, r)
+            _check_sparsity(rel, scheme, mods, bad, r)
+        except Exception as e:  # noqa: BLE001 - e.g. a corrupt safetensors header
+            r.fail(f"reading tensors failed: {_first_line(e)}")
+    if load:
+        _check_load(rel, r)
+    return r
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Verify a smelt release directory (see docs/release-format.md).")
+    ap.add_argument("release")
+    ap.add_argument("--no-load", action="store_true", help="skip the transformers load + forward check")
+    args = ap.parse_args(argv)
+    r = verify_release(args.release, load=not args.no_load)
+    print(f"verify {args.release}")
+    print("\n".join(r.lines))
+    print(f"{'FAILED' if r.failures else 'PASSED'}: {len(r.failures)} failure(s)")
+    return 1 if r.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""Release export (qat.release) and its checker (qat.verify) on a tiny 2:4-pruned, int4-QAT model."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_byte_tokenizer, tiny_config
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from models.artifact import write_manifest
+from models.errors import SmeltError, run_cli
+from models.hf_io import save_hf
+from models.llama import build_model, linear_names
+from prune.patterns import nm_mask
+from qat import release as release_mod
+from qat.fake_quant import fake_quant_modules, freeze, swap_to_fake_quant
+from qat.qparams import QPARAMS_FILE, save_qparams, spec_to_dict
+from qat.quantizers import QuantSpec, dequantize
+from qat.release import build_release, pack_mask, unpack_mask
+from qat.verify import verify_release
+from train.masks import MASKS_FILE, save_masks
+
+SPEC = QuantSpec(group_size=32)
+TOKENS = torch.tensor([[1, 72, 101, 108, 108, 111, 44, 32, 119, 2]])
+UP = "model.layers.0.mlp.up_proj"
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory) -> tuple[Path, torch.Tensor]:
+    """A QAT-stage artifact (dequantized weights + masks + qparams + manifest) and the logits of the
+    fake-quantized model it came from."""
+    cfg = tiny_config()
+    model = build_model(cfg, seed=1)
+    mods = dict(model.named_modules())
+    masks = {}
+    with torch.no_grad():
+        for n in linear_names(model):
+            masks[n] = nm_mask(mods[n].weight.abs(), 2, 4)
+            mods[n].weight.mul_(masks[n])
+    swap_to_fake_quant(model, SPEC)
+    for n, fq in fake_quant_modules(model).items():
+        fq.set_mask(masks[n])
+        fq.init_scales()
+    frozen = freeze(model)
+    with torch.no_grad():
+        ref = model(TOKENS)
+    export = build_model(cfg, seed=1)  # same seed: same embeddings/norms; linears get the dequantized codes
+    emods = dict(export.named_modules())
+    with torch.no_grad():
+        for n, (q, s, zp) in frozen.items():
+            emods[n].weight.copy_(dequantize(q, s, zp, SPEC))
+    out = tmp_path_factory.mktemp("art") / "qat"
+    out.mkdir()
+    save_hf(export, out, tokenizer=make_byte_tokenizer())
+    save_masks(export, masks, out)
+    save_qparams(export, {n: (s, zp) for n, (_, s, zp) in frozen.items()}, SPEC, out)
+    save_file({"mtp.0.proj.weight": torch.randn(4, 4)}, str(out / "mtp.safetensors"))
+    write_manifest(out, "qat", {"quant": spec_to_dict(SPEC)}, {"ppl": 12.5},
+                   parent={"stage": "prune", "settings": {"pattern": "2:4"}})
+    return out, ref
+
+
+@pytest.fixture(scope="module")
+def release(artifact, tmp_path_factory) -> Path:
+    return build_release(artifact[0], tmp_path_factory.mktemp("rel") / "release")
+
+
+def _copy(src: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(src, tmp_path / src.name))
+
+
+def _rewrite(path: Path, edit) -> None:
+    """Apply edit(tensors, metadata) to a safetensors file in place."""
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    tensors = load_file(str(path))
+    edit(tensors, meta)
+    save_file(tensors, str(path), metadata=meta)
+
+
+def test_release_loads_in_transformers_with_our_logits(artifact, release):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(release), dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(TOKENS).logits
+    assert (logits - artifact[1]).abs().max().item() <= 1e-4
+
+    qc = json.loads((release / "config.json").read_text())["quantization_config"]
+    assert qc["sparsity_config"] == {} and qc["format"] == "pack-quantized"
+    assert qc["quantization_status"] == "compressed" and "lm_head" in qc["ignore"]
+    w = qc["config_groups"]["group_0"]["weights"]
+    assert (w["num_bits"], w["strategy"], w["group_size"], w["symmetric"]) == (4, "group", 32, True)
+    with safe_open(str(release / "model.safetensors"), framework="pt") as f:
+        assert f.get_tensor(f"{UP}.weight_packed").dtype == torch.int32
+        names = set(f.keys())
+        assert f"{UP}.weight" not in names and "model.embed_tokens.weight" in names
+    assert (release / "mtp.safetensors").read_bytes() == (artifact[0] / "mtp.safetensors").read_bytes()
+
+    man = json.loads((release / "smelt_release.json").read_text())
+    assert [s["stage"] for s in man["stages"]] == ["prune", "qat"] and man["metrics"] == {"ppl": 12.5}
+    assert set(man["files"]) == {p.name for p in release.iterdir()} - {"smelt_release.json"}
+    masks = load_file(str(artifact[0] / MASKS_FILE))
+    bits = load_file(str(release / "sparsity.safetensors"))
+    assert set(json.loads((release / "sparsity.json").read_text())["modules"]) == set(masks)
+    assert torch.equal(unpack_mask(bits[f"{UP}.keep_bits"], 64), masks[UP])
+
+
+def test_pack_mask_roundtrip_and_nibble_layout():
+    mask = torch.rand(3, 12) > 0.5  # 12 inputs: padded to 16 bits
+    assert torch.equal(unpack_mask(pack_mask(mask), 12), mask)
+    one = torch.zeros(1, 8, dtype=torch.bool)
+    one[0, [1, 2, 4, 7]] = True  # group 0 keeps positions 1, 2; group 1 keeps 0, 3
+    assert pack_mask(one).tolist() == [[0b1001_0110]]
+
+
+def test_verify_passes(release, capsys):
+    from qat.verify import main
+
+    assert verify_release(release).failures == []
+    assert main([str(release), "--no-load"]) == 0
+    assert "PASSED" in capsys.readouterr().out
+
+
+def test_verify_catches_flipped_byte(release, tmp_path):
+    rel = _copy(release, tmp_path)
+    data = bytearray((rel / "model.safetensors").read_bytes())
+    data[-3] ^= 0xFF  # in the tensor data, so the file still parses
+    (rel / "model.safetensors").write_bytes(bytes(data))
+    fails = verify_release(rel, load=False).failures
+    assert any(f.startswith("model.safetensors: sha256 does not match") for f in fails), fails
+
+
+def test_verify_catches_wrong_group_size(release, tmp_path):
+    rel = _copy(release, tmp_path)
+    cfg = json.loads((rel / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 64
+    (rel / "config.json").write_text(json.dumps(cfg))
+    fails = verify_release(rel, load=False).failures
+    assert any("config.json: sha256" in f for f in fails)
+    assert any(f.startswith(f"{UP}: weight_scale shape (128, 2) does not match") for f in fails), fails
+
+
+def test_verify_decompresses_to_check_24(release, tmp_path):
+    """A weight set where the mask removes it, in the packed codes themselves, is caught."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+    rel = _copy(release, tmp_path)
+    masks = unpack_mask(load_file(str(rel / "sparsity.safetensors"))[f"{UP}.keep_bits"], 64)
+    row, col = (~masks).nonzero()[0].tolist()
+
+    def edit(t, _):
+        q = unpack_from_int32(t[f"{UP}.weight_packed"], 4, t[f"{UP}.weight_shape"])
+        q[row, col] = 3
+        t[f"{UP}.weight_packed"] = pack_to_int32(q, 4)
+
+    _rewrite(rel / "model.safetensors", edit)
+    fails = verify_release(rel, load=False).failures
+    assert f"{UP}: 1 groups of 4 have more than 2 non-zero weights (declared 2:4)" in fails, fails
+    assert f"{UP}: 1 weights are non-zero where the 2:4 mask removes them" in fails
+
+
+def _cli_error(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as e:
+        run_cli(lambda: release_mod.main(list(argv)))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    return err
+
+
+def test_release_refuses_broken_mask(artifact, tmp_path, capsys):
+    art = _copy(artifact[0], tmp_path)
+    mask = load_file(str(art / MASKS_FILE))[UP]
+
+    def edit(t, _):
+        w = t[f"{UP}.weight"]
+        w[~mask] = torch.where(torch.arange(int((~mask).sum())) < 5, 0.01, 0.0)  # 5 masked weights revived
+
+    _rewrite(art / "model.safetensors", edit)
+    err = _cli_error(capsys, "--artifact", str(art), "--out", str(tmp_path / "rel"))
+    assert err == f"error: {UP}: 5 weights are non-zero where the 2:4 mask removes them"
+    assert not (tmp_path / "rel").exists()
+
+
+def test_release_refuses_off_grid_weights(artifact, tmp_path):
+    art = _copy(artifact[0], tmp_path)
+    (art / MASKS_FILE).unlink()  # unmasked, so only the grid check can object
+    _rewrite(art / "model.safetensors", lambda t, _: t[f"{UP}.weight"].mul_(1.01))
+    with pytest.raises(SmeltError, match=f"weights of {UP} are not on the int4 grid of qparams.safetensors"):
+        build_release(art, tmp_path / "rel")
+
+
+@pytest.mark.parametrize("spec_edit, message", [
+    ({"group_size": 48}, "group_size=48 does not divide in_features=64"),
+    ({"group_size": 64}, "(group_size=64 per its metadata)"),
+    ({"bits": 3}, "bits=3 is not supported"),
+    ({"symmetric": False}, "asymmetric quantisation cannot be released"),
+    (None, "not a quantized artifact"),
+])
+def test_release_refuses_bad_input(artifact, tmp_path, capsys, spec_edit, message):
+    art = _copy(artifact[0], tmp_path)
+    if spec_edit is None:
+        (art / QPARAMS_FILE).unlink()
+    else:
+        def edit(_, meta):
+            meta["spec"] = json.dumps({**json.loads(meta["spec"]), **spec_edit})
+
+        _rewrite(art / QPARAMS_FILE, edit)
+    assert message in _cli_error(capsys, "--artifact", str(art), "--out", str(tmp_path / "rel"))
+    assert not (tmp_path / "rel").exists()
+
+
+def test_interrupted_export_leaves_no_release(artifact, release, tmp_path, monkeypatch):
+    def boom(*_):
+        raise KeyboardInterrupt  # mid-write: model.safetensors is already in the temp dir
+
+    monkeypatch.setattr(release_mod, "pack_mask", boom)
+    with pytest.raises(KeyboardInterrupt):
+        build_release(artifact[0], tmp_path / "rel")
+    assert list(tmp_path.iterdir()) == []
+    # over an existing release: the old one survives untouched
+    old = _copy(release, tmp_path)
+    before = {p.name: p.read_bytes() for p in old.iterdir()}
+    with pytest.raises(KeyboardInterrupt):
+        build_release(artifact[0], old, overwrite=True)
+    assert {p.name: p.read_bytes() for p in old.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == [old.name]
+    with pytest.raises(SmeltError, match="already exists"):
+        build_release(artifact[0], old)
