@@ -80,3 +80,12 @@ def read_manifest(art_dir: str | Path) -> dict:
     if not p.is_file():
         raise SmeltError(f"{art_dir} has no manifest.json (not a smelt artifact)")
     return json.loads(p.read_text())
+
+
+def parent_record(src_dir: str | Path) -> dict | None:
+    """How a manifest points at the artifact it was made from: path, stage and settings."""
+    src_dir = Path(src_dir)
+    if not (src_dir / "manifest.json").is_file():
+        return {"path": str(src_dir)}
+    m = read_manifest(src_dir)
+    return {"path": str(src_dir), "stage": m["stage"], "settings": m["settings"]}

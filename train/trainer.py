@@ -24,7 +24,7 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from models.artifact import atomic_dir, read_manifest, write_manifest
+from models.artifact import atomic_dir, parent_record, write_manifest
 from models.errors import SmeltError
 from models.hf_io import config_from_hf, load_hf, load_tokenizer, read_hf_config, save_hf
 from models.llama import Transformer
@@ -202,7 +202,6 @@ class SmeltTrainer(Trainer):
                 save_masks(model, masks, tmp)
             if frozen:
                 save_qparams(model, {n: (s, z) for n, (_, s, z) in frozen.items()}, spec, tmp)
-            parent = read_manifest(cfg.student) if (Path(cfg.student) / "manifest.json").is_file() else None
             write_manifest(tmp, stage=stage, settings={
                 "student": cfg.student, "teacher": str(self.teacher_dir or ""),
                 "loss": _plain(cfg.loss), "steps": self.step, "tokens_seen": int(self.ntokens_seen),
@@ -210,7 +209,7 @@ class SmeltTrainer(Trainer):
                 "dp_shard": self.parallel_dims.dp_shard, "optimizer": _plain(cfg.optimizer),
                 "fake_quant": dict(cfg.model_spec.model.fake_quant),
                 "data": _plain(cfg.dataloader),
-            }, parent={"stage": parent["stage"], "settings": parent["settings"]} if parent else None)
+            }, parent=parent_record(cfg.student))
         logger.info("exported the student to %s", out_dir)
 
 

@@ -1,0 +1,129 @@
+"""Post-training weight quantization baselines, RTN and GPTQ, writing a quantized artifact.
+
+    python -m qat.ptq --method gptq --group-size 64 --out runs/smollm2/gptq-w4g64 [--eval]
+    python -m qat.ptq --method rtn --artifact runs/smollm2/pruned-2of4 --out runs/smollm2/rtn-2of4
+
+The input is the teacher (default) or any artifact (a pruned one keeps its masks: GPTQ never revives a
+removed weight). GPTQ's Hessians come from the calibration engine (prune.calibrate.run_blocks), block by
+block and sequentially (each block calibrated on the already-quantized blocks before it). The output is
+the quantized artifact format of qat.qparams: dequantized weights + scales (+ masks) + manifest.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from models.artifact import atomic_dir, parent_record, write_manifest
+from models.errors import SmeltError, run_cli
+from models.hf_io import load_hf, load_tokenizer, save_hf
+from models.llama import linear_names
+from models.teacher import DEFAULT_TEACHER, resolve_teacher
+from prune.calibrate import CalibConfig, run_blocks
+from qat.gptq import gptq_quantize
+from qat.qparams import save_qparams, spec_to_dict
+from qat.quantizers import QuantSpec, check_group, rtn
+from train.masks import load_masks, save_masks
+
+DEFAULT_SKIP = ("output", "tok_embeddings")
+
+
+def quantize_model(model, method: str, spec: QuantSpec, masks: dict, windows: torch.Tensor | None,
+                   calib: CalibConfig | None = None, blocksize: int = 128, percdamp: float = 0.01,
+                   act_order: bool = False, skip: tuple[str, ...] = DEFAULT_SKIP, progress: bool = True):
+    """Quantize the model's linears in place; returns ({name: (scale, zp)}, report)."""
+    names = linear_names(model, skip)
+    modules = dict(model.named_modules())
+    for name in names:  # refuse before doing any work
+        check_group(modules[name].in_features, spec.group_size, name)
+    qparams: dict[str, tuple] = {}
+    seconds = {"quantize_s": 0.0}
+
+    def quantize_one(name: str, H: torch.Tensor | None) -> None:
+        lin = modules[name]
+        t0 = time.perf_counter()
+        W = lin.weight.data
+        if method == "rtn":
+            w_q, scale, zp = rtn(W * masks[name] if name in masks else W, spec, name=name)
+        else:
+            w_q, scale, zp = gptq_quantize(W, H, spec, blocksize=blocksize, percdamp=percdamp,
+                                          act_order=act_order, mask=masks.get(name), name=name)
+        lin.weight.data.copy_(w_q.to(W.dtype))
+        qparams[name] = (scale, zp)
+        seconds["quantize_s"] += time.perf_counter() - t0
+
+    if method == "rtn":
+        for name in names:
+            quantize_one(name, None)
+    elif method == "gptq":
+        def on_block(block_name, block, stats):
+            for name, st in stats.items():
+                quantize_one(name, st.H)
+        seconds.update(run_blocks(model, windows, on_block, calib or CalibConfig(), targets=set(names),
+                                  progress=progress))
+    else:
+        raise SmeltError(f"--method {method!r} is not one of rtn, gptq")
+    return qparams, {"modules": len(qparams), "seconds": seconds}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="RTN / GPTQ weight quantization into a quantized artifact.")
+    ap.add_argument("--teacher", default=DEFAULT_TEACHER)
+    ap.add_argument("--artifact", help="quantize this artifact instead of the teacher (keeps its masks)")
+    ap.add_argument("--method", required=True, choices=["rtn", "gptq"])
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=64, help="-1 for per output channel")
+    ap.add_argument("--asym", action="store_true", help="asymmetric (zero points); not releasable")
+    ap.add_argument("--scale-init", default="minmax", choices=["minmax", "mse"])
+    ap.add_argument("--act-order", action="store_true")
+    ap.add_argument("--blocksize", type=int, default=128)
+    ap.add_argument("--percdamp", type=float, default=0.01)
+    ap.add_argument("--calib-windows", type=int, default=128)
+    ap.add_argument("--calib-seq-len", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument("--eval", action="store_true", help="evaluate against the teacher into the manifest")
+    args = ap.parse_args()
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise SmeltError(f"--out {out} already exists (pass --overwrite to replace it)")
+    spec = QuantSpec(bits=args.bits, symmetric=not args.asym, group_size=args.group_size,
+                     scale_init=args.scale_init)
+    teacher_dir = resolve_teacher(args.teacher)
+    src = Path(args.artifact) if args.artifact else teacher_dir
+    model = load_hf(src)
+    tokenizer = load_tokenizer(teacher_dir)
+    masks = load_masks(src)
+    calib, windows = None, None
+    if args.method == "gptq":
+        calib = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, seed=args.seed)
+        windows = calib.windows(tokenizer)
+    t0 = time.perf_counter()
+    qparams, report = quantize_model(model, args.method, spec, masks, windows, calib, args.blocksize,
+                                     args.percdamp, args.act_order)
+    report["wall_s"] = time.perf_counter() - t0
+    metrics = {"ptq": report}
+    if args.eval:
+        from eval.evaluate import evaluate, format_table
+
+        ev = evaluate(model, teacher_dir, tokenizer=tokenizer)
+        print(format_table(ev, title=f"{args.method} w{args.bits} g{args.group_size} vs teacher"))
+        metrics["eval"] = ev
+    with atomic_dir(out, overwrite=args.overwrite) as tmp:
+        save_hf(model, tmp, tokenizer=tokenizer)
+        save_qparams(model, qparams, spec, tmp)
+        if masks:
+            save_masks(model, masks, tmp)
+        write_manifest(tmp, stage="ptq", settings={
+            "method": args.method, "spec": spec_to_dict(spec), "act_order": args.act_order,
+            "blocksize": args.blocksize, "percdamp": args.percdamp, "source": str(src),
+            "calibration": calib.record() if calib else None},
+            metrics=metrics, parent=parent_record(src))
+    print(f"wrote {out} ({report['modules']} modules, {report['wall_s']:.0f}s)")
+
+
+if __name__ == "__main__":
+    run_cli(main)
