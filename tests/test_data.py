@@ -51,3 +51,14 @@ def test_token_stream_resumes_at_the_same_sample(byte_tokenizer):
     r.load_state_dict(state)
     assert torch.equal(r.next_batch(4), want)
     assert want.shape == (4, 33) and (want[:, 0] == 1).all()
+
+
+def test_training_streams_mix_corpora_but_never_eval_text(byte_tokenizer):
+    from train.data import CODE_TRAIN_FILES
+
+    assert not set(CODE_TRAIN_FILES) & set(CODE_FILES)  # the code eval bucket is never trained on
+    mixed = TokenStream.from_corpus(byte_tokenizer, seq_len=32, corpus="wikitext2-valid+code-train")
+    plain = TokenStream.from_corpus(byte_tokenizer, seq_len=32)
+    assert mixed.n_chunks > plain.n_chunks
+    with pytest.raises(SmeltError, match="'zh' is not allowed"):
+        TokenStream.from_corpus(byte_tokenizer, seq_len=32, corpus="wikitext2-valid+zh")

@@ -54,7 +54,9 @@ def debug_distill() -> SmeltTrainer.Config:
 
 def smollm2_recover() -> SmeltTrainer.Config:
     """Recovery distillation of a pruned SmolLM2-135M on WikiText-2 valid, sized for a CPU."""
-    return _config(steps=150, batch=4, seq_len=256, lr=2e-4, warmup=10, interval=50)
+    cfg = _config(steps=120, batch=2, seq_len=256, lr=1e-4, warmup=10, interval=40)
+    cfg.training.global_batch_size = 4  # 4 x 256 tokens per step whatever the rank count
+    return cfg
 
 
 def h100_recover() -> SmeltTrainer.Config:

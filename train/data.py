@@ -27,10 +27,13 @@ REPO = Path(__file__).resolve().parent.parent
 # Fixed list for the code bucket: plain, well-commented pure-Python modules present in every CPython.
 CODE_FILES = ("functools.py", "argparse.py", "heapq.py", "bisect.py", "textwrap.py", "json/decoder.py",
               "json/encoder.py", "statistics.py", "fractions.py", "shlex.py")
+# Training-side code text: other stdlib modules, disjoint from CODE_FILES (the eval bucket).
+CODE_TRAIN_FILES = ("dataclasses.py", "enum.py", "inspect.py", "pathlib.py", "typing.py", "subprocess.py",
+                    "logging/__init__.py", "collections/__init__.py", "tempfile.py", "contextlib.py")
 CORPUS_FILES = {"wikitext2-valid": "wikitext2/valid.txt", "wikitext2-test": "wikitext2/test.txt",
                 "zh": "zh/compression_notes.txt"}
 BUCKETS = {"en": "wikitext2-test", "zh": "zh", "code": "code"}
-TRAIN_CORPORA = ("wikitext2-valid",)  # what calibration/training may read; eval-only text is refused
+TRAIN_CORPORA = ("wikitext2-valid", "code-train")  # what calibration/training may read; eval-only text is refused
 
 
 def data_dir() -> Path:
@@ -40,9 +43,9 @@ def data_dir() -> Path:
     return d
 
 
-def code_bucket_files() -> list[Path]:
+def code_bucket_files(names: tuple[str, ...] = CODE_FILES) -> list[Path]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = [stdlib / f for f in CODE_FILES]
+    files = [stdlib / f for f in names]
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise SmeltError(f"code bucket source {missing[0]} is missing from this Python's stdlib")
@@ -51,8 +54,9 @@ def code_bucket_files() -> list[Path]:
 
 @lru_cache(maxsize=None)
 def read_corpus(name: str) -> str:
-    if name == "code":
-        return "\n\n".join(f.read_text(encoding="utf-8") for f in code_bucket_files())
+    if name in ("code", "code-train"):
+        names = CODE_FILES if name == "code" else CODE_TRAIN_FILES
+        return "\n\n".join(f.read_text(encoding="utf-8") for f in code_bucket_files(names))
     if name not in CORPUS_FILES:
         raise SmeltError(f"unknown corpus {name!r} (known: {', '.join([*CORPUS_FILES, 'code'])})")
     path = data_dir() / CORPUS_FILES[name]
@@ -65,9 +69,9 @@ def corpus_record(name: str) -> dict:
     """What a manifest records about a corpus: its source files and a hash of the text."""
     text = read_corpus(name)
     rec = {"corpus": name, "sha256": hashlib.sha256(text.encode()).hexdigest()}
-    if name == "code":
+    if name in ("code", "code-train"):
         rec["python"] = sys.version.split()[0]
-        rec["files"] = list(CODE_FILES)
+        rec["files"] = list(CODE_FILES if name == "code" else CODE_TRAIN_FILES)
     else:
         rec["file"] = CORPUS_FILES[name]
     return rec
@@ -143,9 +147,14 @@ class TokenStream:
 
     @classmethod
     def from_corpus(cls, tokenizer, seq_len: int, seed: int = 0, corpus: str = "wikitext2-valid"):
-        if corpus not in TRAIN_CORPORA:
-            raise SmeltError(f"training corpus {corpus!r} is not allowed (use one of {TRAIN_CORPORA})")
-        return cls(corpus_tokens(tokenizer, corpus), seq_len, bos_id(tokenizer), seed)
+        """`corpus` may join several training corpora with '+' (e.g. "wikitext2-valid+code-train")."""
+        names = corpus.split("+")
+        bad = [n for n in names if n not in TRAIN_CORPORA]
+        if bad:
+            raise SmeltError(f"training corpus {bad[0]!r} is not allowed (use one of {TRAIN_CORPORA}); "
+                             f"evaluation text must never be trained on")
+        tokens = torch.cat([corpus_tokens(tokenizer, n) for n in names])
+        return cls(tokens, seq_len, bos_id(tokenizer), seed)
 
     @property
     def n_chunks(self) -> int:
