@@ -83,7 +83,7 @@ def smollm2_qat() -> SmeltTrainer.Config:
     Learned (LSQ) scales initialised from the starting artifact's qparams (GPTQ) when present, else by
     MSE-searched clipping. Global batch 4 whatever the rank count (gradient accumulation fills it).
     """
-    cfg = _config(steps=300, batch=2, seq_len=256, lr=1e-5, warmup=10, interval=50)
+    cfg = _config(steps=300, batch=2, seq_len=256, lr=2e-5, warmup=10, interval=50)
     cfg.training.global_batch_size = 4
     cfg.model_spec.model.fake_quant = {"bits": 4, "symmetric": True, "group_size": 64, "scale_init": "mse",
                                        "learn_scale": True}
