@@ -27,7 +27,7 @@ from models.errors import SmeltError, run_cli
 from models.hf_io import load_hf, load_tokenizer, save_hf
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 from prune import algorithms
-from prune.calibrate import CalibConfig, LinearStats, run_blocks
+from prune.calibrate import CalibConfig, LinearStats, release_memory, run_blocks
 from prune.patterns import check_nm, check_sparsity
 from train.masks import save_masks
 
@@ -221,7 +221,20 @@ def _parse_args(argv):
     ap.add_argument("--eval", action="store_true", help="evaluate against the teacher (metrics in the manifest)")
     ap.add_argument("--eval-windows", help="per-bucket eval windows, e.g. en=16,zh=8,code=8 (EvalConfig default)")
     ap.add_argument("--eval-seq-len", type=int, help="eval window length (EvalConfig default)")
+    # 1, not EvalConfig's 4: on the 135M teacher, 4 raised this process's peak RSS by ~0.9 GB (fp32
+    # [tokens, vocab] logits and per-chunk temporaries) and was no faster on CPU
+    ap.add_argument("--eval-batch-size", type=int, default=1)
     return ap.parse_args(argv)
+
+
+def _summary(method: str, report: dict) -> str:
+    line = f"[smelt] {method} pruned {len(report['per_module'])} linears to sparsity {report['sparsity']:.4f}"
+    errors = {k: v["rel_recon_error"] for k, v in report["per_module"].items() if "rel_recon_error" in v}
+    if errors:
+        worst = max(errors, key=errors.get)
+        line += (f"; rel. reconstruction error mean {sum(errors.values()) / len(errors):.4f}, "
+                 f"max {errors[worst]:.4f} ({worst})")
+    return line + f"; timings {report['timings_s']}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -234,7 +247,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, seed=args.seed,
                       batch_size=args.calib_batch_size, sequential=not args.no_sequential)
     skip = tuple(s.strip() for s in args.skip.split(",") if s.strip())
-    eval_overrides = {"windows": parse_windows(args.eval_windows)} if args.eval_windows else {}
+    eval_overrides = {"batch_size": args.eval_batch_size}
+    if args.eval_windows:
+        eval_overrides["windows"] = parse_windows(args.eval_windows)
     if args.eval_seq_len is not None:
         eval_overrides["seq_len"] = args.eval_seq_len
     eval_cfg = build(EvalConfig, eval_overrides)
@@ -252,32 +267,25 @@ def main(argv: list[str] | None = None) -> None:
     windows = cfg.windows(tokenizer) if calibrated else None
     masks, report = prune_model(model, windows, args.method, sparsity, n, m, skip, args.blocksize,
                                 args.percdamp, cfg)
-    errors = {k: v["rel_recon_error"] for k, v in report["per_module"].items() if "rel_recon_error" in v}
-    summary = f"[smelt] {args.method} pruned {len(masks)} linears to sparsity {report['sparsity']:.4f}"
-    if errors:
-        worst = max(errors, key=errors.get)
-        summary += (f"; rel. reconstruction error mean {sum(errors.values()) / len(errors):.4f}, "
-                    f"max {errors[worst]:.4f} ({worst})")
-    print(summary + f"; timings {report['timings_s']}", file=sys.stderr)
-
-    metrics = {"sparsity": report["sparsity"], "pruned_params": report["pruned_params"],
-               "total_params": report["total_params"], "per_module": report["per_module"],
-               "timings_s": report["timings_s"]}
-    eval_settings = None
-    if args.eval:
-        ev = evaluate(model, teacher_dir, eval_cfg, tokenizer=tokenizer)
-        metrics["eval"], eval_settings = ev["buckets"], ev["settings"]
-        print(format_table(ev, title=f"{out} ({args.method} {args.pattern or args.sparsity}) vs teacher"))
+    del windows
+    print(_summary(args.method, report), file=sys.stderr)
+    metrics = {k: report[k] for k in ("sparsity", "pruned_params", "total_params", "per_module", "timings_s")}
     settings = {
-        "method": args.method, "pattern": args.pattern and f"{n}:{m}", "sparsity": sparsity,
+        "method": args.method, "pattern": f"{n}:{m}" if n else None, "sparsity": sparsity,
         "calibration": cfg.record() if calibrated else None, "skip": list(skip),
         "blocksize": args.blocksize if args.method == "sparsegpt" else None,
         "percdamp": args.percdamp if args.method in ("sparsegpt", "obs") else None,
-        "teacher": args.teacher, "eval": eval_settings,
+        "teacher": args.teacher, "eval": None,
     }
-    with atomic_dir(out, overwrite=args.overwrite) as tmp:
+    with atomic_dir(out, overwrite=args.overwrite) as tmp:  # an error below leaves nothing behind
         save_hf(model, tmp, tokenizer=tokenizer)
         save_masks(model, masks, tmp)
+        del masks  # one byte per weight: freed before the evaluation's full-vocabulary temporaries
+        if args.eval:
+            release_memory()
+            ev = evaluate(model, teacher_dir, eval_cfg, tokenizer=tokenizer)
+            metrics["eval"], settings["eval"] = ev["buckets"], ev["settings"]
+            print(format_table(ev, title=f"{out} ({args.method} {args.pattern or args.sparsity}) vs teacher"))
         write_manifest(tmp, stage="prune", settings=settings, metrics=metrics,
                        parent={"path": str(teacher_dir), "fingerprint": weights_fingerprint(teacher_dir)})
     print(out)

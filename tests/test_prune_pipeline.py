@@ -1,0 +1,212 @@
+"""Calibration engine and pruning driver: statistics vs brute force, sequential calibration, masks,
+the CLI artifact, and bad input (one-line error, exit 2, nothing written)."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import ROOT, tiny_config
+from models.errors import SmeltError, run_cli
+from models.hf_io import load_hf
+from models.llama import build_model, linear_names
+from prune.algorithms import magnitude_prune, reconstruction_error
+from prune.calibrate import CalibConfig, run_blocks
+from prune.patterns import mask_is_nm
+from prune.run import main, prune_model, prune_targets
+from train.masks import load_masks
+
+PROBE = "feed_forward.w2"  # its input (silu(w1 x) * w3 x) exists only inside the block
+
+
+@torch.no_grad()
+def captured_inputs(model: nn.Module, windows: torch.Tensor, name: str) -> torch.Tensor:
+    """Brute force: one full-model forward, recording the inputs of linear `name` as [tokens, in]."""
+    seen = []
+    handle = dict(model.named_modules())[name].register_forward_hook(lambda m, a, o: seen.append(a[0]))
+    model(windows)
+    handle.remove()
+    return torch.cat(seen).reshape(-1, seen[0].shape[-1]).double()
+
+
+def collect(model, windows, cfg, prune_fraction=0.0, targets=None):
+    """run_blocks with an on_block that records copies of the stats and optionally magnitude-prunes."""
+    got = {}
+
+    def on_block(block_name, block, stats):
+        got[block_name] = {k: (v.H.clone(), v.act_norm.clone(), v.n_tokens, v) for k, v in stats.items()}
+        for k, v in stats.items():
+            if prune_fraction:
+                lin = block.get_submodule(k.removeprefix(block_name + "."))
+                lin.weight.copy_(magnitude_prune(lin.weight, prune_fraction)[0])
+
+    run_blocks(model, windows, on_block, cfg, targets=targets, progress=False)
+    return got
+
+
+def test_stats_match_brute_force_with_noncontiguous_layers():
+    model = build_model(tiny_config("debug-untied", max_seq_len=64), seed=3).eval()
+    del model.layers["1"]  # depth-pruned: keys "0", "2"
+    windows = torch.randint(0, 260, (5, 16), generator=torch.Generator().manual_seed(0))
+    cfg = CalibConfig(n_windows=5, seq_len=16, batch_size=2)  # batches of 2, 2, 1
+    got = collect(model, windows, cfg)
+    assert list(got) == ["layers.0", "layers.2"]
+    for name in ("layers.2.feed_forward.w2", "layers.2.attention.wq", "layers.0.attention.wo"):
+        X = captured_inputs(model, windows, name)
+        H, act_norm, n_tokens, _ = got[name.rsplit(".", 2)[0]][name]
+        assert n_tokens == 5 * 16
+        assert torch.allclose(H, X.T @ X, rtol=1e-5, atol=1e-6 * float(X.abs().max()) ** 2)
+        assert torch.allclose(act_norm, X.norm(dim=0), rtol=1e-5)
+    # wq/wk/wv read the same tensor: one shared statistics object, each token counted once
+    block = got["layers.2"]
+    assert block["layers.2.attention.wq"][3] is block["layers.2.attention.wv"][3]
+    assert block["layers.2.feed_forward.w1"][3] is not block["layers.2.feed_forward.w2"][3]
+    only = collect(model, windows, cfg, targets=lambda n: n.endswith(PROBE))
+    assert {k for b in only.values() for k in b} == {"layers.0.feed_forward.w2", "layers.2.feed_forward.w2"}
+
+
+def test_sequential_calibration_sees_the_pruned_previous_block():
+    dense = build_model(tiny_config(max_seq_len=64), seed=4).eval()
+    windows = torch.randint(0, 260, (4, 32), generator=torch.Generator().manual_seed(1))
+    seq_model, par_model = copy.deepcopy(dense), copy.deepcopy(dense)
+    seq = collect(seq_model, windows, CalibConfig(n_windows=4, seq_len=32, batch_size=3), 0.5)
+    par = collect(par_model, windows, CalibConfig(n_windows=4, seq_len=32, batch_size=3, sequential=False), 0.5)
+    probe0, probe1 = f"layers.0.{PROBE}", f"layers.1.{PROBE}"
+    assert torch.equal(seq["layers.0"][probe0][0], par["layers.0"][probe0][0])  # same dense inputs
+    H_seq, H_par = seq["layers.1"][probe1][0], par["layers.1"][probe1][0]
+    assert not torch.allclose(H_seq, H_par, rtol=1e-3)
+    # sequential block 1 = inputs through pruned block 0; non-sequential = the dense model's inputs
+    half = copy.deepcopy(dense)
+    half.layers["0"].load_state_dict(seq_model.layers["0"].state_dict())
+    for H, reference in ((H_seq, half), (H_par, dense)):
+        X = captured_inputs(reference, windows, probe1)
+        assert torch.allclose(H, X.T @ X, rtol=1e-5, atol=1e-6 * float(X.abs().max()) ** 2)
+
+
+@pytest.fixture
+def calib(byte_tokenizer):
+    cfg = CalibConfig(n_windows=4, seq_len=64, batch_size=2)
+    return cfg, cfg.windows(byte_tokenizer)
+
+
+def test_sparsegpt_2of4_masks_zeros_and_skipped_modules(tiny_model_dir, calib):
+    cfg, windows = calib
+    model = load_hf(tiny_model_dir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    masks, report = prune_model(model, windows, "sparsegpt", n=2, m=4, cfg=cfg, progress=False)
+    assert sorted(masks) == sorted(linear_names(model))
+    mods = dict(model.named_modules())
+    for name, keep in masks.items():
+        W = mods[name].weight
+        assert mask_is_nm(keep, 2, 4) and int(keep.sum()) == keep.numel() // 2
+        assert bool((W[~keep] == 0).all()) and mask_is_nm(W, 2, 4)
+        assert 0 < report["per_module"][name]["rel_recon_error"] < 1
+    for name in ("tok_embeddings.weight", "output.weight", "norm.weight", "layers.1.ffn_norm.weight"):
+        assert torch.equal(model.state_dict()[name], before[name])
+    assert report["sparsity"] == 0.5 and report["pattern"] == "2:4"
+    assert set(report["timings_s"]) >= {"forward_s", "stats_s", "hessian_inverse_s", "prune_update_s"}
+    # the H-trace error equals the brute-force one for block 0 (its inputs do not depend on pruning)
+    dense = load_hf(tiny_model_dir)
+    X = captured_inputs(dense, windows, "layers.0.attention.wq")
+    brute = reconstruction_error(X, before["layers.0.attention.wq.weight"], mods["layers.0.attention.wq"].weight,
+                                 relative=True)
+    assert report["per_module"]["layers.0.attention.wq"]["rel_recon_error"] == pytest.approx(brute, rel=1e-4)
+
+
+@pytest.mark.parametrize("method", ["magnitude", "wanda", "obs"])
+def test_other_methods_and_skip_patterns(tiny_model_dir, calib, method):
+    cfg, windows = calib
+    model = load_hf(tiny_model_dir)
+    wo = model.layers["0"].attention.wo.weight.clone()
+    skip = ("output", "tok_embeddings", "attention.wo", "layers.1")
+    masks, report = prune_model(model, windows, method, sparsity=0.5, skip=skip, cfg=cfg, progress=False)
+    assert sorted(masks) == [f"layers.0.{n}" for n in ("attention.wk", "attention.wq", "attention.wv",
+                                                        "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")]
+    assert torch.equal(model.layers["0"].attention.wo.weight, wo)
+    assert report["sparsity"] == pytest.approx(0.5, abs=0.01)
+    calibrated = method != "magnitude"
+    assert all(("rel_recon_error" in e) == calibrated for e in report["per_module"].values())
+    assert (report["timings_s"]["forward_s"] > 0) == calibrated  # magnitude runs no forward pass
+
+
+def test_prune_model_rejects_bad_settings(tiny_model_dir, calib):
+    cfg, windows = calib
+    model = load_hf(tiny_model_dir)
+    with pytest.raises(SmeltError, match="no calibration data"):
+        prune_model(model, None, "wanda", 0.5, progress=False)
+    with pytest.raises(SmeltError, match="outside the transformer blocks"):
+        prune_targets(model, skip=("tok_embeddings",))
+    with pytest.raises(SmeltError, match="matches no module"):
+        prune_targets(model, skip=("output", "attention.wz"))
+    with pytest.raises(SmeltError, match=r"layers\.0\.attention\.wq: Hessian is singular"):
+        prune_model(model, windows[:1, :8], "sparsegpt", 0.5, percdamp=0.0, cfg=cfg, progress=False)
+    with pytest.raises(SmeltError, match="n_windows=0 must be >= 1: no calibration data"):
+        CalibConfig(n_windows=0)
+
+
+def _cli(*args: str) -> list[str]:
+    return ["--calib-windows", "4", "--calib-seq-len", "64", "--calib-batch-size", "2", *args]
+
+
+def test_cli_end_to_end(tiny_model_dir, tmp_path):
+    out = tmp_path / "pruned"
+    proc = subprocess.run([sys.executable, "-m", "prune.run", "--teacher", str(tiny_model_dir), "--method",
+                           "sparsegpt", "--pattern", "2:4", "--out", str(out), "--eval", "--eval-windows",
+                           "en=2,zh=1,code=1", "--eval-seq-len", "64", *_cli()],
+                          cwd=ROOT, capture_output=True, text=True, env=os.environ, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "top1_agree" in proc.stdout  # the eval table
+    assert {"model.safetensors", "masks.safetensors", "manifest.json", "config.json"} <= {p.name for p in out.iterdir()}
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["stage"] == "prune" and manifest["settings"]["pattern"] == "2:4"
+    assert manifest["settings"]["calibration"]["corpus_record"]["corpus"] == "wikitext2-valid"
+    per_module = manifest["metrics"]["per_module"]
+    assert len(per_module) == 14 and all(set(v) == {"sparsity", "rel_recon_error"} for v in per_module.values())
+    assert set(manifest["metrics"]["eval"]) == {"en", "zh", "code"}
+    model = load_hf(out)
+    masks = load_masks(out)
+    assert sorted(masks) == sorted(per_module)
+    mods = dict(model.named_modules())
+    assert all(bool((mods[k].weight[~v] == 0).all()) for k, v in masks.items())
+    assert all(mask_is_nm(mods[k].weight, 2, 4) for k in masks)
+
+
+BAD = [
+    (["--method", "sparsegpt", "--sparsity", "1.0"], "sparsity=1.0 must be in [0, 1)"),
+    (["--method", "wanda", "--pattern", "2-4"], "--pattern must be N:M"),
+    (["--method", "wanda", "--pattern", "3:5"], "needs in_features divisible by M=5"),
+    (["--method", "prune-everything", "--sparsity", "0.5"], "unknown method"),
+    (["--method", "sparsegpt", "--sparsity", "0.5", "--calib-windows", "0"], "no calibration data"),
+    (["--method", "wanda"], "one of the arguments --sparsity --pattern is required"),
+    (["--method", "sparsegpt", "--sparsity", "0.5", "--percdamp", "0", "--calib-windows", "1",
+      "--calib-seq-len", "8"], "Hessian is singular"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[m for _, m in BAD])
+def test_cli_bad_input_is_one_line_and_writes_nothing(tiny_model_dir, tmp_path, capsys, args, message):
+    out = tmp_path / "pruned"
+    argv = ["--teacher", str(tiny_model_dir), "--out", str(out), *_cli(), *args]
+    with pytest.raises(SystemExit) as exc:
+        run_cli(lambda: main(argv))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    lines = [line for line in err.splitlines() if "calibrate" not in line]  # tqdm's bar precedes late errors
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["teacher"]  # no output, no temp directory
+
+
+def test_cli_refuses_existing_out_in_a_real_process(tiny_model_dir, tmp_path):
+    out = tmp_path / "pruned"
+    out.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "prune.run", "--teacher", str(tiny_model_dir), "--method",
+                           "magnitude", "--sparsity", "0.5", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, env=os.environ, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith("error:") and len(proc.stderr.splitlines()) == 1
+    assert "already exists" in proc.stderr and list(out.iterdir()) == []
