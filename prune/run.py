@@ -21,7 +21,14 @@ import torch
 from torch import nn
 
 from configs.schema import build
-from eval.evaluate import EvalConfig, default_device, evaluate, format_table, parse_windows, weights_fingerprint
+from eval.evaluate import (
+    EvalConfig,
+    default_device,
+    evaluate,
+    format_table,
+    parse_windows,
+    weights_fingerprint,
+)
 from models.artifact import atomic_dir, write_manifest
 from models.errors import SmeltError, run_cli
 from models.hf_io import load_hf, load_tokenizer, save_hf

@@ -77,16 +77,13 @@ def corpus_record(name: str) -> dict:
     return rec
 
 
-_TOKEN_CACHE: dict[tuple[int, str], torch.Tensor] = {}
-
-
 def corpus_tokens(tokenizer, name: str) -> torch.Tensor:
-    """The whole corpus as one 1-D int64 tensor (no special tokens)."""
-    key = (id(tokenizer), name)
-    if key not in _TOKEN_CACHE:
+    """The whole corpus as one 1-D int64 tensor (no special tokens), cached on the tokenizer object."""
+    cache = tokenizer.__dict__.setdefault("_smelt_corpus_tokens", {})
+    if name not in cache:
         ids = tokenizer(read_corpus(name), add_special_tokens=False)["input_ids"]
-        _TOKEN_CACHE[key] = torch.tensor(ids, dtype=torch.long)
-    return _TOKEN_CACHE[key]
+        cache[name] = torch.tensor(ids, dtype=torch.long)
+    return cache[name]
 
 
 def bos_id(tokenizer) -> int:
