@@ -197,6 +197,11 @@ def test_bad_trainer_config_is_refused(dirs, tmp_path):
     cfg.student = str(tmp_path / "missing")
     with pytest.raises(SmeltError, match="--student .* does not exist"):
         SmeltTrainer(cfg)
+    cfg = debug_distill()
+    cfg.student, cfg.dump_folder = str(dirs / "student"), str(tmp_path / "run")
+    cfg.checkpoint.load_step = 5
+    with pytest.raises(SmeltError, match="--checkpoint.load_step 5: no checkpoint"):
+        SmeltTrainer(cfg)
     other = build_model(tiny_config(vocab_size=300), seed=0)
     save_hf(other, _mk(tmp_path / "t300"))
     cfg = debug_distill()

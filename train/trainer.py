@@ -51,6 +51,11 @@ class SmeltTrainer(Trainer):
     def __init__(self, config: Config):
         if not config.student or not Path(config.student).is_dir():
             raise SmeltError(f"--student {config.student!r}: artifact directory does not exist")
+        ck = config.checkpoint
+        if ck.enable and ck.load_step > 0:
+            step_dir = Path(config.dump_folder) / ck.folder / f"step-{ck.load_step}"
+            if not (step_dir / ".metadata").is_file():
+                raise SmeltError(f"--checkpoint.load_step {ck.load_step}: no checkpoint at {step_dir}")
         teacher_dir = None
         if config.teacher:
             from models.teacher import resolve_teacher
