@@ -1,0 +1,56 @@
+"""Benchmark: pruning wall time and peak RSS, with where the time goes.
+
+    python -m prune.bench [--teacher smollm2-135m --method sparsegpt --pattern 2:4 --calib-windows 128]
+
+Runs prune.run.prune_model once (no artifact written, no evaluation) and prints wall time, peak resident
+memory of the process (target for SparseGPT 2:4 on SmolLM2 with 128 x 512 windows: <= 3 GiB, since
+activations are streamed block by block), and the split: block forward passes, Hessian/norm
+accumulation, Hessian inverses, and the pruning updates.
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+
+from models.errors import run_cli
+from models.hf_io import load_hf, load_tokenizer
+from models.teacher import DEFAULT_TEACHER, resolve_teacher
+from prune.calibrate import CalibConfig
+from prune.run import parse_pattern, prune_model
+
+
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--teacher", default=DEFAULT_TEACHER)
+    ap.add_argument("--method", default="sparsegpt")
+    ap.add_argument("--pattern", default="2:4")
+    ap.add_argument("--sparsity", type=float, default=0.5)
+    ap.add_argument("--calib-windows", type=int, default=128)
+    ap.add_argument("--calib-seq-len", type=int, default=512)
+    args = ap.parse_args()
+    n, m = parse_pattern(args.pattern) if args.pattern else (0, 0)
+    teacher_dir = resolve_teacher(args.teacher)
+    t0 = time.perf_counter()
+    model = load_hf(teacher_dir)
+    cfg = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len)
+    windows = cfg.windows(load_tokenizer(teacher_dir))
+    t_load = time.perf_counter() - t0
+    _, report = prune_model(model, windows, args.method, args.sparsity, n, m, cfg=cfg)
+    wall = time.perf_counter() - t0
+    split = report["timings_s"]
+    print(f"{args.method} {args.pattern or args.sparsity} on {teacher_dir.name}, "
+          f"{args.calib_windows} x {args.calib_seq_len} calibration windows")
+    print(f"wall time        {wall:8.1f} s   (load + tokenize {t_load:.1f} s)")
+    print(f"peak RSS         {peak_rss_gib():8.2f} GiB (target <= 3 GiB)")
+    for key in ("forward_s", "stats_s", "hessian_inverse_s", "prune_update_s", "metrics_s"):
+        if key in split:
+            print(f"  {key:<16}{split[key]:8.1f} s  ({100 * split[key] / max(split['total_s'], 1e-9):4.1f}%)")
+
+
+if __name__ == "__main__":
+    run_cli(main)
