@@ -209,3 +209,16 @@ def test_cli_refuses_existing_out_in_a_real_process(tiny_model_dir, tmp_path):
                           cwd=ROOT, capture_output=True, text=True, env=os.environ, check=False, timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and len(proc.stderr.splitlines()) == 1
     assert "already exists" in proc.stderr and list(out.iterdir()) == []
+
+
+def test_prune_bench_prints_time_memory_and_split(tiny_model_dir):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    proc = subprocess.run([sys.executable, "-m", "prune.bench", "--teacher", str(tiny_model_dir),
+                           "--calib-windows", "4", "--calib-seq-len", "32"], cwd=ROOT, capture_output=True,
+                          text=True, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "peak RSS" in proc.stdout and "forward_s" in proc.stdout and "hessian_inverse_s" in proc.stdout
