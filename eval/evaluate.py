@@ -64,16 +64,15 @@ def _logits(model, batch: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def teacher_logprobs_file(teacher_dir: Path, windows: torch.Tensor, teacher=None, batch_size: int = 4,
+def teacher_logprobs_file(teacher_dir: Path, windows: torch.Tensor, get_teacher, batch_size: int = 4,
                           desc: str = "teacher") -> Path:
-    """Path of the cached teacher log-probs for `windows` (computed now if missing)."""
+    """Path of the cached teacher log-probs for `windows` (computed now, with get_teacher(), if missing)."""
     key = hashlib.sha256(weights_fingerprint(teacher_dir).encode() + windows.numpy().tobytes()).hexdigest()
     path = cache_root() / "teacher_logprobs" / f"{key[:32]}.safetensors"
     if path.is_file():
         return path
     device = default_device()
-    if teacher is None:
-        teacher = load_hf(teacher_dir).to(device).eval()
+    teacher = get_teacher()
     parts = [torch.log_softmax(_logits(teacher, b, device), dim=-1).half()
              for b in tqdm(windows.split(batch_size), desc=f"{desc} log-probs", leave=False)]
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -92,12 +91,19 @@ def evaluate(model, teacher_dir: str | Path, cfg: EvalConfig | None = None, toke
     tokenizer = tokenizer or load_tokenizer(teacher_dir)
     device = next(model.parameters()).device
     model.eval()
+    loaded = {"teacher": teacher}
+
+    def get_teacher():  # loaded at most once, and only if some bucket's cache is missing
+        if loaded["teacher"] is None:
+            loaded["teacher"] = load_hf(teacher_dir).to(default_device()).eval()
+        return loaded["teacher"]
+
     report = {"settings": {"seq_len": cfg.seq_len, "windows": dict(cfg.windows),
                            "corpora": {b: corpus_record(BUCKETS[b]) for b in cfg.windows}},
               "buckets": {}}
     for bucket, n in cfg.windows.items():
         windows = eval_windows(tokenizer, bucket, int(n), cfg.seq_len)
-        cache = teacher_logprobs_file(teacher_dir, windows, teacher, cfg.batch_size, desc=bucket)
+        cache = teacher_logprobs_file(teacher_dir, windows, get_teacher, cfg.batch_size, desc=bucket)
         parts = []
         with safe_open(str(cache), framework="pt") as f:
             lp_slice = f.get_slice("logprobs")

@@ -102,14 +102,19 @@ def config_from_hf(d: dict) -> LlamaConfig:
     )
 
 
+def layer_index(model: Transformer) -> dict[str, int]:
+    """Our layer key -> HF layer number: kept layers renumbered 0..n-1 in order (after depth pruning)."""
+    return {k: i for i, k in enumerate(sorted(model.layers.keys(), key=int))}
+
+
 def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     """Our weights under HF names, layers renumbered 0..n-1 in order, tied lm_head omitted."""
-    layer_index = {k: i for i, k in enumerate(sorted(model.layers.keys(), key=int))}
+    index = layer_index(model)
     out = {}
     for name, t in model.state_dict().items():
         if name == "output.weight" and model.cfg.tie_embeddings:
             continue
-        out[to_hf_name(name, layer_index)] = t.detach().contiguous()
+        out[to_hf_name(name, index)] = t.detach().contiguous()
     return out
 
 
@@ -184,14 +189,11 @@ def read_hf_state(model_dir: str | Path, cfg: LlamaConfig, dtype: torch.dtype = 
 @torch.no_grad()
 def copy_state_into(model: Transformer, state: dict[str, torch.Tensor]) -> None:
     """Copy full tensors into the model's parameters, which may be FSDP2 DTensor shards."""
+    from models.dtensor import copy_into
+
     params = dict(model.named_parameters(remove_duplicate=False))
     for name, t in state.items():
-        p = params[name]
-        if hasattr(p, "device_mesh"):
-            from torch.distributed.tensor import distribute_tensor
-
-            t = distribute_tensor(t.to(p.device, p.dtype), p.device_mesh, p.placements)
-        p.copy_(t.to(p.dtype) if not hasattr(t, "device_mesh") else t)
+        copy_into(params[name], t.to(params[name].dtype))
 
 
 def load_hf(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:

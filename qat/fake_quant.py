@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.dtensor import copy_into, full
 from models.errors import SmeltError
 from models.llama import linear_names
 from qat.quantizers import QuantSpec, check_group, compute_qparams, fake_quantize, quantize
@@ -34,24 +35,6 @@ def round_ste(x: torch.Tensor) -> torch.Tensor:
 def grad_scale(x: torch.Tensor, factor: float) -> torch.Tensor:
     """x forward, gradient multiplied by `factor` backward."""
     return x.detach() + (x - x.detach()) * factor
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a (possibly FSDP2-sharded) DTensor; a collective when sharded."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy a full tensor into dst in place, keeping dst's identity (and its sharding if a DTensor)."""
-    if hasattr(dst, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
-
-        src = distribute_tensor(src.to(dst.device), dst.device_mesh, dst.placements)
-    _local(dst).copy_(_local(src))
 
 
 class FakeQuantLinear(nn.Linear):
@@ -107,10 +90,10 @@ class FakeQuantLinear(nn.Linear):
             raise SmeltError("init_scales needs real weights: materialise the model (to_empty + load) first")
         if self.weight_scale.is_meta:  # to_empty() materialises buffers too; this covers loading by assign
             self._alloc_qparams(self.weight.device)
-        scale, zp = compute_qparams(self._masked(_full(self.weight.detach()).float()), self.spec)
-        _copy_into(self.weight_scale, scale)
+        scale, zp = compute_qparams(self._masked(full(self.weight.detach()).float()), self.spec)
+        copy_into(self.weight_scale, scale)
         if zp is not None:
-            _copy_into(self.weight_zero_point, zp)
+            copy_into(self.weight_zero_point, zp)
 
     def quantized_weight(self) -> torch.Tensor:
         """The weight the forward uses, w_hat, differentiable w.r.t. weight (and weight_scale)."""
@@ -172,8 +155,8 @@ def freeze(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor, torc
     export; dequantize() of these equals the weight the forward used. Collective under FSDP2."""
     out = {}
     for name, m in fake_quant_modules(model).items():
-        w = m._masked(_full(m.weight.detach()).float())
-        scale = _full(m.weight_scale.detach()).float().clamp_min(torch.finfo(torch.float32).eps)
+        w = m._masked(full(m.weight.detach()).float())
+        scale = full(m.weight_scale.detach()).float().clamp_min(torch.finfo(torch.float32).eps)
         zp = m.weight_zero_point
         out[name] = (quantize(w, scale, zp, m.spec), scale.clone(), None if zp is None else zp.clone())
     return out

@@ -30,12 +30,12 @@ def spec_to_dict(spec: QuantSpec) -> dict:
 def save_qparams(model: nn.Module, qparams: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
                  spec: QuantSpec, out_dir: str | Path) -> None:
     """qparams: {our module name: (scale, zero_point or None)}; names saved as HF names."""
-    from models.hf_io import to_hf_name
+    from models.hf_io import layer_index, to_hf_name
 
-    layer_index = {k: i for i, k in enumerate(sorted(model.layers.keys(), key=int))}
+    index = layer_index(model)
     tensors = {}
     for name, (scale, zp) in qparams.items():
-        hf = to_hf_name(name, layer_index)
+        hf = to_hf_name(name, index)
         tensors[f"{hf}.weight_scale"] = scale.float().contiguous().cpu()
         if zp is not None:
             tensors[f"{hf}.weight_zero_point"] = zp.to(torch.int8).contiguous().cpu()
@@ -60,7 +60,8 @@ def read_qparams(art_dir: str | Path) -> tuple[dict[str, tuple[torch.Tensor, tor
 @torch.no_grad()
 def load_qparams_into(model: nn.Module, art_dir: str | Path) -> bool:
     """Copy an artifact's saved scales into the model's FakeQuantLinear modules; False if it has none."""
-    from qat.fake_quant import _copy_into, fake_quant_modules
+    from models.dtensor import copy_into
+    from qat.fake_quant import fake_quant_modules
 
     if not (Path(art_dir) / QPARAMS_FILE).is_file():
         return False
@@ -72,7 +73,7 @@ def load_qparams_into(model: nn.Module, art_dir: str | Path) -> bool:
         if tuple(scale.shape) != tuple(mod.weight_scale.shape):
             raise SmeltError(f"{QPARAMS_FILE}: {name} scale shape {tuple(scale.shape)} != "
                              f"{tuple(mod.weight_scale.shape)} (different group size?)")
-        _copy_into(mod.weight_scale, scale)
+        copy_into(mod.weight_scale, scale)
         if zp is not None and mod.weight_zero_point is not None:
-            _copy_into(mod.weight_zero_point, zp)
+            copy_into(mod.weight_zero_point, zp)
     return True

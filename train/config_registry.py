@@ -66,8 +66,7 @@ def h100_recover() -> SmeltTrainer.Config:
 
 def debug_diverge() -> SmeltTrainer.Config:
     """debug_distill with an absurd learning rate: exercises the NaN/inf stop (tests)."""
-    cfg = _config(steps=8, batch=2, seq_len=32, lr=1e30, warmup=0, interval=1)
-    return cfg
+    return _config(steps=8, batch=2, seq_len=32, lr=1e30, warmup=0, interval=1)
 
 
 def debug_qat() -> SmeltTrainer.Config:

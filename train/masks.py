@@ -14,22 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from models.dtensor import like, local
 from models.errors import SmeltError
 
 MASKS_FILE = "masks.safetensors"
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _like_param(mask: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """The mask laid out like `param`: same device, and sharded the same way if param is a DTensor."""
-    if hasattr(param, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
-
-        return distribute_tensor(mask.to(param.device), param.device_mesh, param.placements)
-    return mask.to(param.device)
 
 
 class MaskSet:
@@ -44,7 +32,7 @@ class MaskSet:
             w = mod.weight
             if tuple(mask.shape) != tuple(w.shape):
                 raise SmeltError(f"mask for {name} has shape {tuple(mask.shape)}, weight is {tuple(w.shape)}")
-            self.pairs.append((name, w, _like_param(mask.bool(), w)))
+            self.pairs.append((name, w, like(mask.bool(), w)))
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -52,18 +40,18 @@ class MaskSet:
     @torch.no_grad()
     def apply_to_weights(self) -> None:
         for _, w, m in self.pairs:
-            _local(w).mul_(_local(m).to(_local(w).dtype))
+            local(w).mul_(local(m).to(local(w).dtype))
 
     @torch.no_grad()
     def apply_to_grads(self) -> None:
         for _, w, m in self.pairs:
             if w.grad is not None:
-                _local(w.grad).mul_(_local(m).to(_local(w.grad).dtype))
+                local(w.grad).mul_(local(m).to(local(w.grad).dtype))
 
     @torch.no_grad()
     def violations(self) -> int:
         """Number of weights that are non-zero where the mask says removed (0 when intact)."""
-        return int(sum((_local(w)[~_local(m)] != 0).sum().item() for _, w, m in self.pairs))
+        return int(sum((local(w)[~local(m)] != 0).sum().item() for _, w, m in self.pairs))
 
 
 def masks_from_model(model: nn.Module, names: list[str] | None = None) -> dict[str, torch.Tensor]:
@@ -75,10 +63,10 @@ def masks_from_model(model: nn.Module, names: list[str] | None = None) -> dict[s
 
 def save_masks(model: nn.Module, masks: dict[str, torch.Tensor], out_dir: str | Path) -> None:
     """Masks under the HF module names of the saved weights (layers renumbered like save_hf)."""
-    from models.hf_io import to_hf_name
+    from models.hf_io import layer_index, to_hf_name
 
-    layer_index = {k: i for i, k in enumerate(sorted(model.layers.keys(), key=int))}
-    save_file({to_hf_name(k, layer_index): v.to(torch.bool).contiguous() for k, v in masks.items()},
+    index = layer_index(model)
+    save_file({to_hf_name(k, index): v.to(torch.bool).contiguous() for k, v in masks.items()},
               str(Path(out_dir) / MASKS_FILE), metadata={"format": "smelt-masks/1", "keep": "True"})
 
 

@@ -25,6 +25,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from models.artifact import atomic_dir, parent_record, write_manifest
+from models.dtensor import full, local
 from models.errors import SmeltError
 from models.hf_io import config_from_hf, load_hf, load_tokenizer, read_hf_config, save_hf
 from models.llama import Transformer
@@ -118,8 +119,7 @@ class SmeltTrainer(Trainer):
         return loss
 
     def _before_optimizer_step(self, optimizer, args, kwargs):
-        grads_finite = all(bool(torch.isfinite(p.grad.to_local() if hasattr(p.grad, "to_local")
-                                               else p.grad).all())
+        grads_finite = all(bool(torch.isfinite(local(p.grad)).all())
                            for g in optimizer.param_groups for p in g["params"] if p.grad is not None)
         ok = torch.tensor([int(self._loss_finite), int(grads_finite)], dtype=torch.int32)
         if dist.is_initialized():
@@ -178,11 +178,9 @@ class SmeltTrainer(Trainer):
         from qat.qparams import save_qparams
         from qat.quantizers import dequantize
 
-        full = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu()
-                for name, p in self.student.named_parameters()}
+        weights = {name: full(p).detach().float().cpu() for name, p in self.student.named_parameters()}
         frozen = freeze(self.student) if fake_quant_modules(self.student) else {}
-        masks = {n: (m.to(torch.uint8).full_tensor() if hasattr(m, "full_tensor") else m).bool().cpu()
-                 for n, _, m in self.masks.pairs}
+        masks = {n: full(m.to(torch.uint8)).bool().cpu() for n, _, m in self.masks.pairs}
         if dist.is_initialized() and dist.get_rank() != 0:
             return
         with torch.device("meta"):
@@ -193,9 +191,9 @@ class SmeltTrainer(Trainer):
         spec = None
         for name, (q, scale, zp) in frozen.items():
             spec = fake_quant_modules(self.student)[name].spec
-            full[f"{name}.weight"] = dequantize(q, scale, zp, spec).float()
+            weights[f"{name}.weight"] = dequantize(q, scale, zp, spec).float()
         wanted = model.state_dict().keys()
-        model.load_state_dict({k: v for k, v in full.items() if k in wanted}, strict=False)
+        model.load_state_dict({k: v for k, v in weights.items() if k in wanted}, strict=False)
         if model.cfg.tie_embeddings:
             model.output.weight = model.tok_embeddings.weight
         cfg = self.config
