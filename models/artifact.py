@@ -52,7 +52,7 @@ def atomic_dir(path: str | Path, overwrite: bool = False):
 def atomic_write_text(path: str | Path, text: str) -> None:
     path = Path(path)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    tmp.write_text(text)
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
 
 

@@ -106,12 +106,15 @@ class Attention(nn.Module):
         self.capture_attn = False
         self.last_attn: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            return self.wo(cache.attend(q, k, v).transpose(1, 2).reshape(bsz, seqlen, -1))
         rep = self.n_heads // self.n_kv_heads
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
@@ -126,6 +129,43 @@ class Attention(nn.Module):
             # SDPA has CPU and CUDA forward+backward kernels, so no CPU attention shim is needed.
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class KVCache:
+    """One layer's keys/values for incremental decoding: [B, n_kv_heads, max_len, head_dim] buffers.
+
+    `pos` is how many positions are filled. A call with L new tokens writes them at [pos, pos+L) and
+    attends over [0, pos+L) with the causal offset, so one-token decoding, chunked prefill and
+    multi-token verification (self-speculative decoding) share one path. `truncate(n)` rolls back
+    rejected draft tokens.
+    """
+
+    def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        self.k = torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.pos = 0
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= self.pos:
+            raise ValueError(f"cannot truncate a KV cache holding {self.pos} positions to {n}")
+        self.pos = n
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        new, start = k.shape[2], self.pos
+        if start + new > self.k.shape[2]:
+            raise ValueError(f"KV cache overflow: {start + new} positions > max_len={self.k.shape[2]}")
+        self.k[:, :, start:start + new] = k
+        self.v[:, :, start:start + new] = v
+        self.pos = start + new
+        keys, values = self.k[:, :, :self.pos], self.v[:, :, :self.pos]
+        rep = q.shape[1] // keys.shape[1]
+        if rep > 1:
+            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+        mask = None
+        if new > 1:  # query i (absolute start + i) sees keys 0..start+i
+            mask = torch.ones(new, self.pos, dtype=torch.bool, device=q.device).tril(diagonal=start)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
 
 class FeedForward(nn.Module):
@@ -147,8 +187,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -186,19 +227,29 @@ class Transformer(nn.Module):
         dev = device if device is not None else self.tok_embeddings.weight.device
         self.rope_cos, self.rope_sin = cos.to(dev), sin.to(dev)
 
-    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Final-norm hidden states [B, L, dim] (MTP heads and chunked losses start from here)."""
-        seqlen = tokens.shape[1]
-        if seqlen > self.rope_cos.shape[0]:
-            raise ValueError(f"sequence length {seqlen} exceeds max_seq_len={self.rope_cos.shape[0]}")
-        cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
+    def new_cache(self, batch: int, max_len: int | None = None) -> dict[str, KVCache]:
+        """Empty per-layer KV caches for incremental decoding (see KVCache)."""
+        max_len = max_len or self.cfg.max_seq_len
+        w = self.tok_embeddings.weight
+        return {key: KVCache(batch, self.cfg.n_kv_heads, self.cfg.head_dim, max_len, w.dtype, w.device)
+                for key in self.layers}
+
+    def hidden_states(self, tokens: torch.Tensor, cache: dict[str, KVCache] | None = None) -> torch.Tensor:
+        """Final-norm hidden states [B, L, dim] (MTP heads and chunked losses start from here).
+
+        With `cache` (from new_cache), `tokens` continue the cached positions."""
+        start = next(iter(cache.values())).pos if cache else 0
+        end = start + tokens.shape[1]
+        if end > self.rope_cos.shape[0]:
+            raise ValueError(f"sequence length {end} exceeds max_seq_len={self.rope_cos.shape[0]}")
+        cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
         h = self.tok_embeddings(tokens)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin)
+        for key, layer in self.layers.items():
+            h = layer(h, cos, sin, cache[key] if cache else None)
         return self.norm(h)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.output(self.hidden_states(tokens))
+    def forward(self, tokens: torch.Tensor, cache: dict[str, KVCache] | None = None) -> torch.Tensor:
+        return self.output(self.hidden_states(tokens, cache))
 
 
 def build_model(cfg: LlamaConfig, device: str | torch.device = "cpu", seed: int | None = 0) -> Transformer:

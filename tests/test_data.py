@@ -62,3 +62,34 @@ def test_training_streams_mix_corpora_but_never_eval_text(byte_tokenizer):
     assert mixed.n_chunks > plain.n_chunks
     with pytest.raises(SmeltError, match="'zh' is not allowed"):
         TokenStream.from_corpus(byte_tokenizer, seq_len=32, corpus="wikitext2-valid+zh")
+
+
+def test_pku_tags_are_stripped():
+    from train.zh_corpus import strip_pku_tags
+    tagged = "迈向/v  充满/v  [中国/ns  政府/n]nt  ——/w\n\n１２月/t  ３１日/t  ，/w  江/nr  泽民/nr  摄/Vg\n"
+    assert strip_pku_tags(tagged) == "迈向充满中国政府——\n１２月３１日，江泽民摄"
+
+
+def test_zh_train_missing_offline_says_how_to_fetch():
+    from train.zh_corpus import zh_train_text
+    with pytest.raises(SmeltError, match=r"missing; run `python -m train.zh_corpus`"):
+        zh_train_text(download=False)
+
+
+def test_extract_member_checks_the_hash(tmp_path):
+    import tarfile
+
+    from models.fetch import extract_member
+    src = tmp_path / "pkg-1.0" / "data.txt"
+    src.parent.mkdir()
+    src.write_text("hello", encoding="utf-8")
+    archive = tmp_path / "pkg-1.0.tar.gz"
+    with tarfile.open(archive, "w:gz") as tf:
+        tf.add(src, arcname="pkg-1.0/data.txt")
+    good = "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"
+    assert extract_member(archive, "pkg-1.0/data.txt", tmp_path / "out.txt", good).read_text() == "hello"
+    with pytest.raises(SmeltError, match="corrupt"):
+        extract_member(archive, "pkg-1.0/data.txt", tmp_path / "bad.txt", "0" * 64)
+    with pytest.raises(SmeltError, match="no member"):
+        extract_member(archive, "pkg-1.0/other.txt", tmp_path / "x.txt")
+    assert not (tmp_path / "bad.txt").exists() and not list(tmp_path.glob(".*part*"))

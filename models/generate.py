@@ -1,0 +1,63 @@
+"""Sampling from the one model definition with a KV cache (teacher-written training text now;
+self-speculative decoding with MTP heads reuses the same cache and `next_token`)."""
+from __future__ import annotations
+
+import torch
+
+from models.llama import Transformer
+
+
+def next_token(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,
+               allowed: torch.Tensor | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Sample one token per row from logits [B, V]; temperature 0 is greedy.
+
+    top_p keeps the smallest set of most likely tokens whose probability reaches top_p (nucleus);
+    `allowed` [V] bool restricts the choice to a token subset (renormalised over it).
+    """
+    logits = logits.float()
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = (logits / temperature).softmax(-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # the top token is always kept
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def sample(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+           top_p: float = 1.0, first_allowed: torch.Tensor | None = None,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """Continue equal-length prompts [B, P] by max_new_tokens sampled tokens -> [B, P + max_new_tokens].
+
+    Rows keep going past an end-of-sequence token (callers cut there): every row costs the same and
+    the batch stays rectangular. `first_allowed` restricts only the first sampled token.
+    """
+    if prompt.ndim != 2 or prompt.shape[1] == 0:
+        raise ValueError(f"prompt must be [batch, length>=1] token ids, got shape {tuple(prompt.shape)}")
+    was_training = model.training
+    model.eval()
+    cache = model.new_cache(prompt.shape[0], prompt.shape[1] + max_new_tokens)
+    out = [prompt]
+    logits = model(prompt, cache)[:, -1]
+    try:
+        for i in range(max_new_tokens):
+            tok = next_token(logits, temperature, top_p, first_allowed if i == 0 else None, generator)
+            out.append(tok[:, None])
+            if i + 1 < max_new_tokens:
+                logits = model(tok[:, None], cache)[:, -1]
+    finally:
+        model.train(was_training)
+    return torch.cat(out, dim=1)
+
+
+def cut_at(row: torch.Tensor, stop_ids: set[int], start: int = 0) -> torch.Tensor:
+    """row up to and including its first stop token at or after `start` (whole row if none)."""
+    for i in range(start, row.shape[0]):
+        if int(row[i]) in stop_ids:
+            return row[:i + 1]
+    return row
