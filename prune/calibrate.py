@@ -27,7 +27,7 @@ from torch import nn
 from tqdm import tqdm
 
 from models.errors import SmeltError
-from train.data import TRAIN_CORPORA, calibration_windows, corpus_record
+from train.data import calibration_windows, corpus_record, split_corpora
 
 
 @dataclass
@@ -35,7 +35,7 @@ class CalibConfig:
     n_windows: int = 128
     seq_len: int = 512
     seed: int = 0
-    corpus: str = "wikitext2-valid"
+    corpus: str = "wikitext2-valid"  # or a '+'-joined mix (windows split evenly between the parts)
     batch_size: int = 8
     sequential: bool = True  # next block's inputs come from the modified block (SparseGPT, Wanda)
 
@@ -47,9 +47,7 @@ class CalibConfig:
             if v < lo:
                 why = ": no calibration data" if name == "n_windows" else ""
                 raise SmeltError(f"calibration {name}={v} must be >= {lo}{why}")
-        if self.corpus not in TRAIN_CORPORA:
-            raise SmeltError(f"calibration corpus={self.corpus!r} is not allowed (use one of "
-                             f"{', '.join(TRAIN_CORPORA)}; evaluation text is never calibrated on)")
+        split_corpora(self.corpus, "calibration")
         if not isinstance(self.sequential, bool):
             raise SmeltError(f"calibration sequential={self.sequential!r} must be true or false")
 

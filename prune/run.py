@@ -217,6 +217,8 @@ def _parse_args(argv):
     ap.add_argument("--calib-windows", type=int, default=CalibConfig.n_windows)
     ap.add_argument("--calib-seq-len", type=int, default=CalibConfig.seq_len)
     ap.add_argument("--calib-batch-size", type=int, default=CalibConfig.batch_size)
+    ap.add_argument("--calib-corpus", default=CalibConfig.corpus,
+                    help="training corpus, or a '+'-joined mix such as wikitext2-valid+code-train+zh-train")
     ap.add_argument("--seed", type=int, default=CalibConfig.seed)
     ap.add_argument("--blocksize", type=int, default=128, help="SparseGPT column block")
     ap.add_argument("--percdamp", type=float, default=0.01, help="Hessian dampening, fraction of mean(diag H)")
@@ -252,7 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     sparsity = 1.0 - n / m if n else args.sparsity
     check_sparsity(sparsity)
     cfg = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, seed=args.seed,
-                      batch_size=args.calib_batch_size, sequential=not args.no_sequential)
+                      batch_size=args.calib_batch_size, sequential=not args.no_sequential,
+                      corpus=args.calib_corpus)
     skip = tuple(s.strip() for s in args.skip.split(",") if s.strip())
     eval_overrides = {"batch_size": args.eval_batch_size}
     if args.eval_windows:

@@ -82,6 +82,8 @@ def main() -> None:
     ap.add_argument("--percdamp", type=float, default=0.01)
     ap.add_argument("--calib-windows", type=int, default=128)
     ap.add_argument("--calib-seq-len", type=int, default=512)
+    ap.add_argument("--calib-corpus", default=CalibConfig.corpus,
+                    help="training corpus, or a '+'-joined mix such as wikitext2-valid+code-train+zh-train")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     ap.add_argument("--overwrite", action="store_true")
@@ -99,7 +101,8 @@ def main() -> None:
     masks = load_masks(src)
     calib, windows = None, None
     if args.method == "gptq":
-        calib = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, seed=args.seed)
+        calib = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, seed=args.seed,
+                            corpus=args.calib_corpus)
         windows = calib.windows(tokenizer)
     t0 = time.perf_counter()
     qparams, report = quantize_model(model, args.method, spec, masks, windows, calib, args.blocksize,

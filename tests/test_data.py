@@ -93,3 +93,21 @@ def test_extract_member_checks_the_hash(tmp_path):
     with pytest.raises(SmeltError, match="no member"):
         extract_member(archive, "pkg-1.0/other.txt", tmp_path / "x.txt")
     assert not (tmp_path / "bad.txt").exists() and not list(tmp_path.glob(".*part*"))
+
+
+def test_mixed_calibration_splits_windows_between_corpora(byte_tokenizer):
+    w = calibration_windows(byte_tokenizer, 5, 48, seed=0, corpus="wikitext2-valid+code-train")
+    assert w.shape == (5, 48) and (w[:, 0] == byte_tokenizer.bos_token_id).all()
+    wiki = corpus_tokens(byte_tokenizer, "wikitext2-valid")
+    code = corpus_tokens(byte_tokenizer, "code-train")
+
+    def found_in(row, ids):
+        span = row[1:]
+        hits = (ids.unfold(0, len(span), 1) == span).all(1)
+        return bool(hits.any())
+    assert [found_in(r, wiki) for r in w] == [True, True, True, False, False]
+    assert all(found_in(r, code) for r in w[3:])
+    rec = corpus_record("wikitext2-valid+code-train")
+    assert [p["corpus"] for p in rec["parts"]] == ["wikitext2-valid", "code-train"]
+    with pytest.raises(SmeltError, match="'zh' is not allowed"):
+        calibration_windows(byte_tokenizer, 2, 16, corpus="wikitext2-valid+zh")

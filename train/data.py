@@ -72,6 +72,8 @@ def read_corpus(name: str) -> str:
 
 def corpus_record(name: str) -> dict:
     """What a manifest records about a corpus: its source files and a hash of the text."""
+    if "+" in name:
+        return {"corpus": name, "parts": [corpus_record(n) for n in name.split("+")]}
     text = read_corpus(name)
     rec = {"corpus": name, "sha256": hashlib.sha256(text.encode()).hexdigest()}
     if name in ("code", "code-train"):
@@ -104,21 +106,35 @@ def _with_bos(chunks: torch.Tensor, bos: int) -> torch.Tensor:
     return torch.cat([torch.full((chunks.shape[0], 1), bos, dtype=torch.long), chunks], dim=1)
 
 
+def split_corpora(corpus: str, what: str = "training") -> list[str]:
+    """'a+b' -> ['a', 'b'], each a training corpus (evaluation text is refused)."""
+    names = corpus.split("+")
+    bad = [n for n in names if n not in TRAIN_CORPORA]
+    if bad:
+        raise SmeltError(f"{what} corpus {bad[0]!r} is not allowed (use one of {', '.join(TRAIN_CORPORA)}, "
+                         f"joined with '+'); evaluation text must never be "
+                         f"{'calibrated' if what == 'calibration' else 'trained'} on")
+    return names
+
+
 def calibration_windows(tokenizer, n: int, seq_len: int, seed: int = 0,
                         corpus: str = "wikitext2-valid") -> torch.Tensor:
-    """[n, seq_len] windows at seeded random offsets of a training corpus, BOS first."""
-    if corpus not in TRAIN_CORPORA:
-        raise SmeltError(f"calibration corpus {corpus!r} is not allowed (use one of {TRAIN_CORPORA}); "
-                         f"evaluation text must never be calibrated on")
+    """[n, seq_len] windows at seeded random offsets of a training corpus, BOS first.
+
+    A '+'-joined corpus splits the n windows evenly between its parts (the first parts take the
+    remainder), so every language the mix names is calibrated on."""
+    names = split_corpora(corpus, "calibration")
     if n <= 0 or seq_len < 2:
         raise SmeltError(f"calibration needs n >= 1 and seq_len >= 2 (got n={n}, seq_len={seq_len})")
-    ids = corpus_tokens(tokenizer, corpus)
-    span = seq_len - 1
-    if len(ids) <= span:
-        raise SmeltError(f"corpus {corpus} has {len(ids)} tokens, fewer than seq_len={seq_len}")
-    g = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, len(ids) - span, (n,), generator=g)
-    return _with_bos(torch.stack([ids[s:s + span] for s in starts.tolist()]), bos_id(tokenizer))
+    span, g, parts = seq_len - 1, torch.Generator().manual_seed(seed), []
+    for i, name in enumerate(names):
+        count = n // len(names) + (i < n % len(names))
+        ids = corpus_tokens(tokenizer, name)
+        if len(ids) <= span:
+            raise SmeltError(f"corpus {name} has {len(ids)} tokens, fewer than seq_len={seq_len}")
+        starts = torch.randint(0, len(ids) - span, (count,), generator=g)
+        parts += [ids[s:s + span] for s in starts.tolist()]
+    return _with_bos(torch.stack(parts), bos_id(tokenizer))
 
 
 def eval_windows(tokenizer, bucket: str, n: int, seq_len: int) -> torch.Tensor:
@@ -153,11 +169,7 @@ class TokenStream:
     @classmethod
     def from_corpus(cls, tokenizer, seq_len: int, seed: int = 0, corpus: str = "wikitext2-valid"):
         """`corpus` may join several training corpora with '+' (e.g. "wikitext2-valid+code-train")."""
-        names = corpus.split("+")
-        bad = [n for n in names if n not in TRAIN_CORPORA]
-        if bad:
-            raise SmeltError(f"training corpus {bad[0]!r} is not allowed (use one of {TRAIN_CORPORA}); "
-                             f"evaluation text must never be trained on")
+        names = split_corpora(corpus)
         tokens = torch.cat([corpus_tokens(tokenizer, n) for n in names])
         return cls(tokens, seq_len, bos_id(tokenizer), seed)
 
