@@ -6,13 +6,39 @@ X^T X of real activations is badly conditioned and fp32 Cholesky fails or loses 
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 
 import torch
 
 from models.errors import SmeltError
 
 _RETRIES = 4  # with percdamp > 0: try damp, 10x, 100x, 1000x before giving up
+_TIMERS: list[dict] = []  # active `timed_inverses` accumulators
+
+
+@contextlib.contextmanager
+def timed_inverses(seconds: dict, key: str = "hessian_inverse_s"):
+    """Add the time every inverse-Hessian factorisation takes inside this block to seconds[key], so a
+    driver can split it from the column sweeps without touching the pure algorithm functions."""
+    seconds.setdefault(key, 0.0)
+    entry = {"seconds": seconds, "key": key}
+    _TIMERS.append(entry)
+    try:
+        yield seconds
+    finally:
+        _TIMERS.remove(entry)
+
+
+@contextlib.contextmanager
+def _clock():
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        for entry in _TIMERS:
+            entry["seconds"][entry["key"]] += time.perf_counter() - t0
 
 
 def check_hessian(H: torch.Tensor, in_features: int | None = None) -> None:
@@ -75,8 +101,9 @@ def dampened_inverse_cholesky(H: torch.Tensor, percdamp: float = 0.01) -> tuple[
     returned as float32 on H's device, together with the bool `dead` mask of inputs whose diag was 0
     (the caller should zero those weight columns).
     """
-    L, dead = _factor(H, percdamp)
-    U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+    with _clock():
+        L, dead = _factor(H, percdamp)
+        U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
     if int(info) != 0:
         raise SmeltError("inverse Hessian is not positive definite in float64; increase dampening (percdamp)")
     return U.to(torch.float32), dead
@@ -86,5 +113,6 @@ def inverse_hessian(
     H: torch.Tensor, percdamp: float = 0.01, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Full (H + damp*I)^-1 in `dtype` (float64 suits exact OBS, whose many downdates compound error)."""
-    L, dead = _factor(H, percdamp)
-    return torch.cholesky_inverse(L).to(dtype), dead
+    with _clock():
+        L, dead = _factor(H, percdamp)
+        return torch.cholesky_inverse(L).to(dtype), dead

@@ -10,7 +10,6 @@ with per-module sparsity and relative reconstruction error tr(ΔW H ΔWᵀ) / tr
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import re
 import sys
@@ -35,6 +34,7 @@ from models.hf_io import load_hf, load_tokenizer, save_hf
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 from prune import algorithms
 from prune.calibrate import CalibConfig, LinearStats, release_memory, run_blocks
+from prune.hessian import timed_inverses
 from prune.patterns import check_nm, check_sparsity
 from train.masks import save_masks
 
@@ -78,31 +78,6 @@ def relative_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> flo
     W64, D = W.to(H.dtype), (W - W_hat).to(H.dtype)
     den = float(((W64 @ H) * W64).sum())
     return float(((D @ H) * D).sum()) / den if den > 0 else 0.0
-
-
-@contextlib.contextmanager
-def _timed_inverses(seconds: dict):
-    """Instrumentation: time the inverse-Hessian factorisations prune.algorithms calls, so the report
-    can split them from the column sweeps (wraps the module-level names it looks up; restored after)."""
-    names = ("dampened_inverse_cholesky", "inverse_hessian")
-    originals = {n: getattr(algorithms, n) for n in names}
-
-    def timed(fn):
-        def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                seconds["hessian_inverse_s"] += time.perf_counter() - t0
-        return wrapper
-
-    try:
-        for n, fn in originals.items():
-            setattr(algorithms, n, timed(fn))
-        yield
-    finally:
-        for n, fn in originals.items():
-            setattr(algorithms, n, fn)
 
 
 def _prune_weight(method: str, W: torch.Tensor, stats: LinearStats | None, sparsity: float, n: int,
@@ -182,7 +157,7 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
         for name, st in stats.items():
             prune_one(name, st)
 
-    with _timed_inverses(seconds):
+    with timed_inverses(seconds):
         if method in CALIBRATED:
             if windows is None or windows.numel() == 0:
                 raise SmeltError(f"no calibration data: {method} needs calibration windows")

@@ -132,6 +132,7 @@ def test_other_methods_and_skip_patterns(tiny_model_dir, calib, method):
     calibrated = method != "magnitude"
     assert all(("rel_recon_error" in e) == calibrated for e in report["per_module"].values())
     assert (report["timings_s"]["forward_s"] > 0) == calibrated  # magnitude runs no forward pass
+    assert (report["timings_s"]["hessian_inverse_s"] > 0) == (method == "obs")  # only OBS factors H here
 
 
 def test_prune_model_rejects_bad_settings(tiny_model_dir, calib):
