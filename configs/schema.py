@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 import types
 import typing
 from pathlib import Path
+
+import tomllib
 
 from models.errors import SmeltError
 

@@ -40,7 +40,7 @@ class LlamaConfig:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
 
     @classmethod
-    def from_dict(cls, d: dict) -> "LlamaConfig":
+    def from_dict(cls, d: dict) -> LlamaConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:

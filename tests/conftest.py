@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("WANDB_MODE", "disabled")
 
-from models.llama import FLAVORS, LlamaConfig, build_model  # noqa: E402
+from models.llama import FLAVORS, LlamaConfig, build_model
 
 BYTE_VOCAB = 260  # 256 bytes + <unk> <bos> <eos> <pad>
 
@@ -20,8 +20,8 @@ BYTE_VOCAB = 260  # 256 bytes + <unk> <bos> <eos> <pad>
 def make_byte_tokenizer():
     """A real fast tokenizer (byte-level, no merges) with BOS/EOS, small enough for tiny models."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
     from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
 
     alphabet = ByteLevel.alphabet()
     vocab = {"<unk>": 0, "<bos>": 1, "<eos>": 2, "<pad>": 3}

@@ -5,8 +5,14 @@ import pytest
 import torch
 
 from models.errors import SmeltError
-from train.data import (CODE_FILES, TokenStream, calibration_windows, corpus_record, corpus_tokens,
-                        eval_windows)
+from train.data import (
+    CODE_FILES,
+    TokenStream,
+    calibration_windows,
+    corpus_record,
+    corpus_tokens,
+    eval_windows,
+)
 
 
 def test_calibration_windows_are_seeded_and_start_with_bos(byte_tokenizer):

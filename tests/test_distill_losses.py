@@ -11,7 +11,7 @@ from models.errors import SmeltError
 
 def brute_force(kind, s, t, T, alpha):
     p, q = F.softmax(t.double() / T, -1), F.softmax(s.double() / T, -1)
-    kl = lambda a, b: (a * (a.log() - b.log())).sum(-1)  # noqa: E731
+    kl = lambda a, b: (a * (a.log() - b.log())).sum(-1)
     if kind == "forward_kl":
         d = kl(p, q)
     elif kind == "reverse_kl":

@@ -79,8 +79,8 @@ def test_unpermute_inverts_llamacpp_permute():
 
 @pytest.mark.parametrize("flavor", ["debug", "debug-untied"])
 def test_gguf_import_matches_the_source_model(tmp_path, flavor):
-    from gguf.quants import dequantize, quantize
     from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize, quantize
 
     # dim=64 keeps every row a multiple of the 32-weight quantization block.
     model = build_model(tiny_config(flavor), seed=11).eval()

@@ -13,7 +13,8 @@ from models.llama import build_model
 
 
 def _hf_model(model):
-    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
 
     cfg = config_to_hf(model.cfg)
     hf = LlamaForCausalLM(HFConfig(**cfg)).eval()

@@ -18,7 +18,7 @@ import os
 import sys
 import sysconfig
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -54,7 +54,7 @@ def code_bucket_files(names: tuple[str, ...] = CODE_FILES) -> list[Path]:
     return files
 
 
-@lru_cache(maxsize=None)
+@cache
 def read_corpus(name: str) -> str:
     if name == "zh-train":
         from train.zh_corpus import zh_train_text

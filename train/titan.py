@@ -18,7 +18,7 @@ from torchtitan.protocols.model import BaseModel
 from torchtitan.tools.logging import logger
 
 from distill.losses import DistillLoss, DistillLossConfig
-from models.hf_io import config_from_hf, copy_state_into, read_hf_config, read_hf_state, load_tokenizer
+from models.hf_io import config_from_hf, copy_state_into, load_tokenizer, read_hf_config, read_hf_state
 from models.llama import LlamaConfig, Transformer
 from train.data import TokenStream
 
