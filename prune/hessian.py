@@ -101,10 +101,11 @@ def dampened_inverse_cholesky(H: torch.Tensor, percdamp: float = 0.01) -> tuple[
     returned as float32 on H's device, together with the bool `dead` mask of inputs whose diag was 0
     (the caller should zero those weight columns).
     """
-    with _clock():
+    with _clock():  # int(info) syncs an accelerator, so the factorisation's time lands inside the clock
         L, dead = _factor(H, percdamp)
         U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
-    if int(info) != 0:
+        failed = int(info) != 0
+    if failed:
         raise SmeltError("inverse Hessian is not positive definite in float64; increase dampening (percdamp)")
     return U.to(torch.float32), dead
 

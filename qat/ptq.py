@@ -94,15 +94,16 @@ def main() -> None:
         raise SmeltError(f"--out {out} already exists (pass --overwrite to replace it)")
     spec = QuantSpec(bits=args.bits, symmetric=not args.asym, group_size=args.group_size,
                      scale_init=args.scale_init)
+    calib, windows = None, None
+    if args.method == "gptq":  # validated before any weights load
+        calib = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, seed=args.seed,
+                            corpus=args.calib_corpus)
     teacher_dir = resolve_teacher(args.teacher)
     src = Path(args.artifact) if args.artifact else teacher_dir
     model = load_hf(src)
     tokenizer = load_tokenizer(teacher_dir)
     masks = load_masks(src)
-    calib, windows = None, None
-    if args.method == "gptq":
-        calib = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, seed=args.seed,
-                            corpus=args.calib_corpus)
+    if calib is not None:
         windows = calib.windows(tokenizer)
     t0 = time.perf_counter()
     qparams, report = quantize_model(model, args.method, spec, masks, windows, calib, args.blocksize,

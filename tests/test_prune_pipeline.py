@@ -186,6 +186,8 @@ BAD = [
     (["--method", "wanda"], "one of the arguments --sparsity --pattern is required"),
     (["--method", "sparsegpt", "--sparsity", "0.5", "--percdamp", "0", "--calib-windows", "1",
       "--calib-seq-len", "8"], "Hessian is singular"),
+    (["--method", "wanda", "--sparsity", "0.5", "--calib-corpus", "wikitext2-test"], "never be calibrated on"),
+    (["--method", "wanda", "--sparsity", "0.5", "--calib-corpus", "wikitext2-valid+"], "corpus '' is unknown"),
 ]
 
 

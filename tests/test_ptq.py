@@ -51,6 +51,11 @@ def test_ptq_cli_writes_a_quantized_artifact(tiny_model_dir, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "qat.ptq", "--teacher", str(tiny_model_dir), "--method", "rtn",
                            "--group-size", "32", "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    bad_corpus = subprocess.run([sys.executable, "-m", "qat.ptq", "--teacher", str(tmp_path / "nowhere"),
+                                 "--method", "gptq", "--calib-corpus", "zh", "--out", str(tmp_path / "g")],
+                                cwd=ROOT, capture_output=True, text=True)
+    assert bad_corpus.returncode == 2 and "corpus 'zh' is not allowed" in bad_corpus.stderr  # before loading
+    assert not (tmp_path / "g").exists()
     qparams, spec = read_qparams(out)
     assert spec.group_size == 32 and len(qparams) == 7 * 2
     bad = subprocess.run([sys.executable, "-m", "qat.ptq", "--teacher", str(tiny_model_dir), "--method", "rtn",

@@ -110,6 +110,10 @@ def split_corpora(corpus: str, what: str = "training") -> list[str]:
     """'a+b' -> ['a', 'b'], each a training corpus (evaluation text is refused)."""
     names = corpus.split("+")
     bad = [n for n in names if n not in TRAIN_CORPORA]
+    unknown = [n for n in bad if n not in (*CORPUS_FILES, "code")]
+    if unknown:
+        raise SmeltError(f"{what} corpus {unknown[0]!r} is unknown (training corpora: {', '.join(TRAIN_CORPORA)}, "
+                         f"joined with '+')")
     if bad:
         raise SmeltError(f"{what} corpus {bad[0]!r} is not allowed (use one of {', '.join(TRAIN_CORPORA)}, "
                          f"joined with '+'); evaluation text must never be "
@@ -126,6 +130,9 @@ def calibration_windows(tokenizer, n: int, seq_len: int, seed: int = 0,
     names = split_corpora(corpus, "calibration")
     if n <= 0 or seq_len < 2:
         raise SmeltError(f"calibration needs n >= 1 and seq_len >= 2 (got n={n}, seq_len={seq_len})")
+    if n < len(names):
+        raise SmeltError(f"calibration n_windows={n} is fewer than the {len(names)} corpora in {corpus!r}: "
+                         f"each needs at least one window")
     span, g, parts = seq_len - 1, torch.Generator().manual_seed(seed), []
     for i, name in enumerate(names):
         count = n // len(names) + (i < n % len(names))

