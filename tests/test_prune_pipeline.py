@@ -199,7 +199,7 @@ def test_cli_bad_input_is_one_line_and_writes_nothing(tiny_model_dir, tmp_path, 
         run_cli(lambda: main(argv))
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
-    lines = [line for line in err.splitlines() if "calibrate" not in line]  # tqdm's bar precedes late errors
+    lines = [line for line in err.splitlines() if not line.startswith("calibrate")]  # tqdm's bar precedes late errors
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["teacher"]  # no output, no temp directory
 
