@@ -12,6 +12,7 @@ renormalise the cached rows so KL(teacher‖teacher) is 0.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -91,12 +92,10 @@ def evaluate(model, teacher_dir: str | Path, cfg: EvalConfig | None = None, toke
     tokenizer = tokenizer or load_tokenizer(teacher_dir)
     device = next(model.parameters()).device
     model.eval()
-    loaded = {"teacher": teacher}
 
+    @functools.cache
     def get_teacher():  # loaded at most once, and only if some bucket's cache is missing
-        if loaded["teacher"] is None:
-            loaded["teacher"] = load_hf(teacher_dir).to(default_device()).eval()
-        return loaded["teacher"]
+        return teacher if teacher is not None else load_hf(teacher_dir).to(default_device()).eval()
 
     report = {"settings": {"seq_len": cfg.seq_len, "windows": dict(cfg.windows),
                            "corpora": {b: corpus_record(BUCKETS[b]) for b in cfg.windows}},

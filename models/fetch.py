@@ -50,15 +50,17 @@ def _normalise(name: str) -> str:
 def find_archive(archive_dir: Path, requirement: str, kind: str) -> Path | None:
     """The cached archive of `requirement` ("pkg==version") of this kind ("wheel" or "sdist"), if any."""
     pkg, _, ver = requirement.partition("==")
-    want = f"{_normalise(pkg)}-{ver}"
     for p in sorted(archive_dir.iterdir()) if archive_dir.is_dir() else []:
         suffix = next((s for s in ARCHIVE_SUFFIXES[kind] if p.name.endswith(s)), None)
         if suffix is None:
             continue
         stem = p.name[: -len(suffix)]
-        if kind == "wheel":
-            stem = "-".join(stem.split("-")[:2])
-        if _normalise(stem.rsplit("-", 1)[0]) + "-" + stem.rsplit("-", 1)[-1] == want:
+        if kind == "wheel":  # name-version-tags: the name has no '-' (wheels escape it)
+            name, _, rest = stem.partition("-")
+            version = rest.split("-")[0]
+        else:  # name-version: the name may contain '-'
+            name, _, version = stem.rpartition("-")
+        if _normalise(name) == _normalise(pkg) and version == ver:
             return p
     return None
 

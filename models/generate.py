@@ -1,5 +1,5 @@
-"""Sampling from the one model definition with a KV cache (teacher-written training text now;
-self-speculative decoding with MTP heads reuses the same cache and `next_token`)."""
+"""Sampling from the one model definition with its KV cache; self-speculative decoding with MTP heads
+reuses the same cache (`KVCache.truncate` rolls back rejected drafts) and `next_token`."""
 from __future__ import annotations
 
 import torch
@@ -66,10 +66,3 @@ def sample(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temper
         model.train(was_training)
     return torch.cat(out, dim=1)
 
-
-def cut_at(row: torch.Tensor, stop_ids: set[int], start: int = 0) -> torch.Tensor:
-    """row up to and including its first stop token at or after `start` (whole row if none)."""
-    for i in range(start, row.shape[0]):
-        if int(row[i]) in stop_ids:
-            return row[:i + 1]
-    return row

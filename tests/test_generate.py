@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from models.generate import cut_at, next_token, sample
+from models.generate import next_token, sample
 from models.llama import build_model
 
 
@@ -56,12 +56,6 @@ def test_top_p_keeps_only_the_nucleus():
     picks = {int(next_token(logits, top_p=0.8, generator=g)) for _ in range(200)}
     assert picks == {0, 1}
     assert int(next_token(logits, top_p=0.5, generator=g)) == 0
-
-
-def test_cut_at_stops_after_the_first_stop_token():
-    row = torch.tensor([1, 5, 2, 7, 2])
-    assert cut_at(row, {2}, start=1).tolist() == [1, 5, 2]
-    assert cut_at(row, {9}).tolist() == row.tolist()
 
 
 def test_bad_sampling_arguments_are_named_and_train_mode_is_restored():

@@ -35,7 +35,8 @@ CODE_TRAIN_FILES = ("dataclasses.py", "enum.py", "inspect.py", "pathlib.py", "ty
 CORPUS_FILES = {"wikitext2-valid": "wikitext2/valid.txt", "wikitext2-test": "wikitext2/test.txt",
                 "zh": "zh/compression_notes.txt"}
 BUCKETS = {"en": "wikitext2-test", "zh": "zh", "code": "code"}
-TRAIN_CORPORA = ("wikitext2-valid", "code-train", "zh-train")  # what calibration/training may read; eval-only text is refused
+TRAIN_CORPORA = ("wikitext2-valid", "code-train", "zh-train")  # what calibration/training may read
+KNOWN_CORPORA = (*CORPUS_FILES, "code", "code-train", "zh-train")
 
 
 def data_dir() -> Path:
@@ -63,7 +64,7 @@ def read_corpus(name: str) -> str:
         names = CODE_FILES if name == "code" else CODE_TRAIN_FILES
         return "\n\n".join(f.read_text(encoding="utf-8") for f in code_bucket_files(names))
     if name not in CORPUS_FILES:
-        raise SmeltError(f"unknown corpus {name!r} (known: {', '.join([*CORPUS_FILES, 'code', 'code-train', 'zh-train'])})")
+        raise SmeltError(f"unknown corpus {name!r} (known: {', '.join(KNOWN_CORPORA)})")
     path = data_dir() / CORPUS_FILES[name]
     if not path.is_file():
         raise SmeltError(f"corpus file {path} does not exist")
@@ -110,7 +111,7 @@ def split_corpora(corpus: str, what: str = "training") -> list[str]:
     """'a+b' -> ['a', 'b'], each a training corpus (evaluation text is refused)."""
     names = corpus.split("+")
     bad = [n for n in names if n not in TRAIN_CORPORA]
-    unknown = [n for n in bad if n not in (*CORPUS_FILES, "code")]
+    unknown = [n for n in bad if n not in KNOWN_CORPORA]
     if unknown:
         raise SmeltError(f"{what} corpus {unknown[0]!r} is unknown (training corpora: {', '.join(TRAIN_CORPORA)}, "
                          f"joined with '+')")

