@@ -61,6 +61,29 @@ def test_chunk_size_does_not_change_the_result():
         assert abs(lo - grads[0][0]) < 1e-5 and torch.allclose(gr, grads[0][1], atol=1e-6)
 
 
+@pytest.mark.parametrize("chunk", [3, 1000])
+def test_tail_weight_counts_the_batch_tail_extra(chunk):
+    # The threshold is the quantile over all valid tokens of the batch, not of one chunk.
+    g = torch.Generator().manual_seed(2)
+    s = (torch.randn(40, 30, generator=g) * 2).requires_grad_()
+    t = torch.randn(40, 30, generator=g) * 2
+    labels = torch.randint(0, 30, (40,), generator=g)
+    labels[:5] = -100
+    loss, parts = DistillLoss(DistillLossConfig(tail_weight=3.0, tail_quantile=0.8, chunk_tokens=chunk))(
+        s, t, labels)
+    loss.backward()
+    s_ref = s.detach().double().requires_grad_()
+    valid = labels != -100
+    d = brute_force("forward_kl", s_ref, t, 1.0, 0.1)[valid]
+    tail = d.detach() >= torch.quantile(d.detach(), 0.8)
+    assert 0 < tail.sum() < valid.sum()
+    ref = (d + 3.0 * d * tail).mean()
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-5
+    assert abs(parts["kd"].item() - d.mean().item()) < 1e-5  # the logged metric stays the plain mean
+    assert torch.allclose(s.grad.double(), s_ref.grad, atol=1e-6)
+
+
 def test_identical_distributions_give_zero_loss():
     x = torch.randn(10, 20)
     for kind in KINDS:
@@ -73,5 +96,9 @@ def test_bad_settings_name_the_field():
         DistillLossConfig(kind="kld")
     with pytest.raises(SmeltError, match="temperature=0"):
         DistillLossConfig(temperature=0)
+    with pytest.raises(SmeltError, match="tail_quantile=1"):
+        DistillLossConfig(tail_weight=1.0, tail_quantile=1)
+    with pytest.raises(SmeltError, match="tail_weight=-1"):
+        DistillLossConfig(tail_weight=-1)
     with pytest.raises(SmeltError, match="student vocab 10 != teacher vocab 12"):
         DistillLoss()(torch.randn(2, 10), torch.randn(2, 12))

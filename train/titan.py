@@ -204,11 +204,15 @@ class KDLoss(BaseLoss):
         skew_alpha: float = 0.1
         ce_weight: float = 0.0
         chunk_tokens: int = 1024
+        tail_weight: float = 0.0
+        tail_quantile: float = 0.9
 
     def __init__(self, config: Config, *, compile_config=None):
         self.inner = DistillLoss(DistillLossConfig(kind=config.kind, temperature=config.temperature,
                                                    skew_alpha=config.skew_alpha, ce_weight=config.ce_weight,
-                                                   chunk_tokens=config.chunk_tokens))
+                                                   chunk_tokens=config.chunk_tokens,
+                                                   tail_weight=config.tail_weight,
+                                                   tail_quantile=config.tail_quantile))
 
     def __call__(self, pred, labels, global_valid_tokens=None, *, teacher_logits=None, **kwargs):
         local_valid = (labels != IGNORE_INDEX).sum()
