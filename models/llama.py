@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.errors import SmeltError
+
 
 @dataclass
 class LlamaConfig:
@@ -264,6 +266,23 @@ def build_model(cfg: LlamaConfig, device: str | torch.device = "cpu", seed: int 
     return model
 
 
-def linear_names(model: nn.Module, skip: tuple[str, ...] = ("output", "tok_embeddings")) -> list[str]:
-    """Names of the nn.Linear modules that compression stages act on (lm_head/embeddings skipped)."""
-    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in skip]
+def skip_matches(name: str, entry: str) -> bool:
+    """A skip entry matches a module by full name, as a dotted prefix ("layers.0") or suffix ("attention.wo")."""
+    return name == entry or name.startswith(entry + ".") or name.endswith("." + entry)
+
+
+def linear_names(model: nn.Module, skip: tuple[str, ...] = ("output", "tok_embeddings"),
+                 field: str = "skip") -> list[str]:
+    """Names of the nn.Linear modules that compression stages act on: all but those `skip` matches.
+
+    Every skip entry must match some module (a typo is an error naming `field`, not a silent no-op).
+    """
+    if isinstance(skip, str):
+        raise SmeltError(f"{field} must be a list of module names, not the string {skip!r}")
+    names = [n for n, _ in model.named_modules() if n]
+    for entry in skip:
+        if not any(skip_matches(n, entry) for n in names):
+            raise SmeltError(f"{field}: {entry!r} matches no module of the model "
+                             f"(names look like 'output', 'layers.0', 'attention.wq')")
+    return [n for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and not any(skip_matches(n, e) for e in skip)]

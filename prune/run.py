@@ -31,6 +31,7 @@ from eval.evaluate import (
 from models.artifact import atomic_dir, write_manifest
 from models.errors import SmeltError, run_cli
 from models.hf_io import load_hf, load_tokenizer, save_hf
+from models.llama import linear_names
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 from prune import algorithms
 from prune.calibrate import CalibConfig, LinearStats, release_memory, run_blocks
@@ -52,18 +53,9 @@ def parse_pattern(spec: str) -> tuple[int, int]:
     return n, m
 
 
-def _skipped(name: str, skip: tuple[str, ...]) -> bool:
-    """A skip entry matches a module by full name, as a dotted prefix ("layers.0") or suffix ("attention.wo")."""
-    return any(name == s or name.startswith(s + ".") or name.endswith("." + s) for s in skip)
-
-
 def prune_targets(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP) -> list[str]:
     """The linears to prune: every nn.Linear not matched by `skip`; each must sit in a transformer block."""
-    names = [n for n, _ in model.named_modules() if n]
-    for s in skip:
-        if not any(_skipped(n, (s,)) for n in names):
-            raise SmeltError(f"--skip {s!r} matches no module of the model")
-    targets = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not _skipped(n, skip)]
+    targets = linear_names(model, skip, field="--skip")
     outside = [n for n in targets if not n.startswith("layers.")]
     if outside:
         raise SmeltError(f"{outside[0]} is outside the transformer blocks and cannot be pruned "

@@ -124,12 +124,29 @@ def fake_quant_modules(model: nn.Module) -> dict[str, FakeQuantLinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, FakeQuantLinear)}
 
 
-def swap_to_fake_quant(model: nn.Module, spec: QuantSpec, skip: tuple[str, ...] = ("output", "tok_embeddings"),
-                       learn_scale: bool = False) -> list[str]:
+DEFAULT_SKIP = ("output", "tok_embeddings")
+
+
+def quantized_linears(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP, field: str = "skip") -> list[str]:
+    """The linears to quantize: all but those `skip` matches (see models.llama.linear_names).
+
+    Embeddings always stay in full precision (W4A16 quantizes Linear layers only). A head tied to the
+    embeddings must stay too: quantizing it would quantize the shared embedding table with it.
+    """
+    names = linear_names(model, skip, field=field)
+    out = getattr(model, "output", None)
+    emb = getattr(model, "tok_embeddings", None)
+    if "output" in names and out is not None and emb is not None and out.weight is emb.weight:
+        raise SmeltError(f"{field} must keep 'output': the head shares its weight with the embeddings")
+    return names
+
+
+def swap_to_fake_quant(model: nn.Module, spec: QuantSpec, skip: tuple[str, ...] = DEFAULT_SKIP,
+                       learn_scale: bool = False, field: str = "fake_quant.skip") -> list[str]:
     """Replace the model's nn.Linear layers (all but `skip`) by FakeQuantLinear in place; returns their
     names. Every layer is checked before any is swapped. Works on meta-device models: call
     init_scales(model) once the weights are real."""
-    names = linear_names(model, skip)
+    names = quantized_linears(model, skip, field)
     modules = dict(model.named_modules())
     for name in names:
         if isinstance(modules[name], FakeQuantLinear):

@@ -19,22 +19,20 @@ import torch
 from models.artifact import atomic_dir, parent_record, write_manifest
 from models.errors import SmeltError, run_cli
 from models.hf_io import load_hf, load_tokenizer, save_hf
-from models.llama import linear_names
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 from prune.calibrate import CalibConfig, run_blocks
+from qat.fake_quant import DEFAULT_SKIP, quantized_linears
 from qat.gptq import gptq_quantize
 from qat.qparams import save_qparams, spec_to_dict
 from qat.quantizers import QuantSpec, check_group, rtn
 from train.masks import load_masks, save_masks
-
-DEFAULT_SKIP = ("output", "tok_embeddings")
 
 
 def quantize_model(model, method: str, spec: QuantSpec, masks: dict, windows: torch.Tensor | None,
                    calib: CalibConfig | None = None, blocksize: int = 128, percdamp: float = 0.01,
                    act_order: bool = False, skip: tuple[str, ...] = DEFAULT_SKIP, progress: bool = True):
     """Quantize the model's linears in place; returns ({name: (scale, zp)}, report)."""
-    names = linear_names(model, skip)
+    names = quantized_linears(model, skip, field="--skip")
     modules = dict(model.named_modules())
     for name in names:  # refuse before doing any work
         check_group(modules[name].in_features, spec.group_size, name)
@@ -87,8 +85,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument("--skip", default=",".join(DEFAULT_SKIP),
+                    help="modules left in full precision: full names, dotted prefixes ('layers.0') or "
+                         "suffixes ('feed_forward.w2'), comma-separated")
     ap.add_argument("--eval", action="store_true", help="evaluate against the teacher into the manifest")
     args = ap.parse_args()
+    skip = tuple(s.strip() for s in args.skip.split(",") if s.strip())
     out = Path(args.out)
     if out.exists() and not args.overwrite:
         raise SmeltError(f"--out {out} already exists (pass --overwrite to replace it)")
@@ -103,11 +105,12 @@ def main() -> None:
     model = load_hf(src)
     tokenizer = load_tokenizer(teacher_dir)
     masks = load_masks(src)
+    quantized_linears(model, skip, field="--skip")  # refuse a bad --skip before calibrating
     if calib is not None:
         windows = calib.windows(tokenizer)
     t0 = time.perf_counter()
     qparams, report = quantize_model(model, args.method, spec, masks, windows, calib, args.blocksize,
-                                     args.percdamp, args.act_order)
+                                     args.percdamp, args.act_order, skip)
     report["wall_s"] = time.perf_counter() - t0
     metrics = {"ptq": report}
     if args.eval:
@@ -123,7 +126,7 @@ def main() -> None:
             save_masks(model, masks, tmp)
         write_manifest(tmp, stage="ptq", settings={
             "method": args.method, "spec": spec_to_dict(spec), "act_order": args.act_order,
-            "blocksize": args.blocksize, "percdamp": args.percdamp, "source": str(src),
+            "blocksize": args.blocksize, "percdamp": args.percdamp, "source": str(src), "skip": list(skip),
             "calibration": calib.record() if calib else None},
             metrics=metrics, parent=parent_record(src))
     print(f"wrote {out} ({report['modules']} modules, {report['wall_s']:.0f}s)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -76,23 +77,29 @@ def unpack_mask(bits: torch.Tensor, in_features: int) -> torch.Tensor:
 
 
 def stage_chain(manifest: dict) -> list[dict]:
-    """The stages that made the artifact, oldest first. Parents are either embedded manifests
-    ({"stage", "settings", ...}) or references ({"path"}) whose manifest.json is read if it still exists."""
+    """The stages that made the artifact, oldest first.
+
+    A manifest's parent record ({"path", "stage", "settings"}, models.artifact.parent_record) is followed
+    to the parent's own manifest while that still exists and still describes the same stage, so the
+    chain reaches back to the source; a parent without a manifest (a downloaded teacher) ends it.
+    """
     chain, node = [], manifest
     for _ in range(_MAX_CHAIN):
-        if not node:
-            break
-        if "stage" in node:
-            chain.append({k: node[k] for k in ("stage", "created", "settings") if k in node})
+        chain.append({k: node[k] for k in ("stage", "created", "settings") if k in node})
         parent = node.get("parent")
-        if parent and "stage" not in parent:  # a reference: follow it while its manifest still exists
-            path = parent.get("path")
-            if path and (Path(path) / "manifest.json").is_file():
-                parent = read_manifest(path)
-            else:  # a source without a manifest (e.g. a downloaded teacher): record what we know
-                chain.append({"stage": "source", **parent})
-                parent = None
-        node = parent
+        if not parent:
+            break
+        if "stage" not in parent:  # no manifest when it was recorded: the source (e.g. the teacher)
+            chain.append({"stage": "source", **parent})
+            break
+        path = parent.get("path")
+        on_disk = read_manifest(path) if path and (Path(path) / "manifest.json").is_file() else None
+        if on_disk is None or (on_disk.get("stage"), on_disk.get("settings")) != (
+                parent["stage"], parent.get("settings")):
+            # Gone or replaced since: keep what the child recorded, and stop.
+            chain.append({k: parent[k] for k in ("stage", "settings", "path") if k in parent})
+            break
+        node = on_disk
     return chain[::-1]
 
 
@@ -145,11 +152,38 @@ def compress_module(name: str, q: torch.Tensor, scale: torch.Tensor, spec: Quant
     return {f"{name}.{k}": v.contiguous() for k, v in out.items()}
 
 
-def build_release(artifact_dir: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
+def declared_pattern(chain: list[dict]) -> tuple[int, int] | None:
+    """(n, m) of the N:M pattern the latest prune stage of the chain declared, else None."""
+    for st in reversed(chain):
+        if st.get("stage") == "prune":
+            m = re.fullmatch(r"(\d+):(\d+)", str((st.get("settings") or {}).get("pattern") or ""))
+            return (int(m.group(1)), int(m.group(2))) if m else None
+    return None
+
+
+def read_eval_metrics(path: str | Path, art: Path) -> dict:
+    """An eval.evaluate --out file, checked to be about this artifact."""
+    path = Path(path)
+    if not path.is_file():
+        raise SmeltError(f"--metrics {path} does not exist")
+    ev = json.loads(path.read_text())
+    if "buckets" not in ev or "model" not in ev:
+        raise SmeltError(f"--metrics {path} is not an eval.evaluate --out file (no buckets/model)")
+    if Path(ev["model"]).resolve() != art.resolve():
+        raise SmeltError(f"--metrics {path} evaluated {ev['model']}, not the artifact {art}")
+    return ev
+
+
+def build_release(artifact_dir: str | Path, out_dir: str | Path, overwrite: bool = False,
+                  metrics_file: str | Path | None = None) -> Path:
     art, out = Path(artifact_dir), Path(out_dir)
     if not art.is_dir():
         raise SmeltError(f"artifact directory {art} does not exist")
     manifest = read_manifest(art)
+    chain = stage_chain(manifest)
+    metrics = dict(manifest.get("metrics") or {})
+    if metrics_file is not None:
+        metrics["eval"] = read_eval_metrics(metrics_file, art)
     qparams, spec = read_qparams(art)  # SmeltError if not quantized or bits not in (4, 8)
     if not spec.symmetric:
         # compressed-tensors 0.20 packs asymmetric zero points, but its own load path (transformers)
@@ -163,12 +197,15 @@ def build_release(artifact_dir: str | Path, out_dir: str | Path, overwrite: bool
     masks = load_file(str(art / MASKS_FILE)) if (art / MASKS_FILE).is_file() else {}
 
     # Masks first: a broken mask is a clearer diagnosis than the off-grid error it may also cause.
-    sparse = {}
+    pattern, sparse = declared_pattern(chain), {}
     for name, mask in masks.items():
         w = state.get(f"{name}.weight")
         if w is None or tuple(w.shape) != tuple(mask.shape):
             raise SmeltError(f"{MASKS_FILE}: {name} has no weight of shape {tuple(mask.shape)} in the model")
         is24 = mask.shape[1] % 4 == 0 and mask_is_nm(mask, 2, 4)
+        if pattern and not (mask.shape[1] % pattern[1] == 0 and mask_is_nm(mask, *pattern)):
+            raise SmeltError(f"{MASKS_FILE}: {name} breaks the {pattern[0]}:{pattern[1]} pattern its prune "
+                             f"stage declared")
         bad = int((w[~mask.bool()] != 0).sum())
         if bad:
             kind = "2:4 mask" if is24 else "mask"
@@ -215,7 +252,7 @@ def build_release(artifact_dir: str | Path, out_dir: str | Path, overwrite: bool
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         (tmp / RELEASE_MANIFEST).write_text(json.dumps({
             "format": "smelt-release/1", "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "stages": stage_chain(manifest), "settings": settings, "metrics": manifest.get("metrics", {}),
+            "stages": chain, "settings": settings, "metrics": metrics,
             "files": files}, indent=2) + "\n")
     return out
 
@@ -225,8 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--artifact", required=True, help="quantized artifact (with qparams.safetensors)")
     ap.add_argument("--out", required=True, help="release directory to write")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing release directory")
+    ap.add_argument("--metrics", help="an `eval.evaluate --out` JSON of this artifact, kept in the manifest")
     args = ap.parse_args(argv)
-    out = build_release(args.artifact, args.out, overwrite=args.overwrite)
+    out = build_release(args.artifact, args.out, overwrite=args.overwrite, metrics_file=args.metrics)
     print(f"release written to {out} (check it with: python -m qat.verify {out})")
 
 

@@ -52,7 +52,8 @@ echo "== 5/7 QAT: learned scales + KL to the dense teacher, from the GPTQ grid"
 evaluate "$run/qat-2of4" qat-2of4
 
 echo "== 6/7 release: compressed-tensors W4A16 + 2:4 side files"
-[ -d "$run/release" ] || $py -m qat.release --artifact "$run/qat-2of4" --out "$run/release"
+[ -d "$run/release" ] || $py -m qat.release --artifact "$run/qat-2of4" --out "$run/release" \
+  --metrics "$run/evals/qat-2of4.json"
 
 echo "== 7/7 verify the release, and the report"
 $py -m qat.verify "$run/release"

@@ -63,3 +63,16 @@ def test_ptq_cli_writes_a_quantized_artifact(tiny_model_dir, tmp_path):
                          text=True)
     assert bad.returncode == 2 and "group_size=48 does not divide" in bad.stderr
     assert not (tmp_path / "bad").exists()
+    skip = subprocess.run([sys.executable, "-m", "qat.ptq", "--teacher", str(tiny_model_dir), "--method", "gptq",
+                           "--skip", "output,attention.wz", "--out", str(tmp_path / "skip")], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert skip.returncode == 2 and skip.stderr.strip().splitlines()[-1] == (
+        "error: --skip: 'attention.wz' matches no module of the model "
+        "(names look like 'output', 'layers.0', 'attention.wq')")
+    assert not (tmp_path / "skip").exists()
+    kept = tmp_path / "kept"
+    proc = subprocess.run([sys.executable, "-m", "qat.ptq", "--teacher", str(tiny_model_dir), "--method", "rtn",
+                           "--group-size", "32", "--skip", "output,layers.1", "--out", str(kept)], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(read_qparams(kept)[0]) == sorted(n for n in qparams if n.startswith("layers.0."))

@@ -226,3 +226,57 @@ def test_swap_on_meta_device_then_init_scales():
     wq = model.get_submodule("layers.0.attention.wq")
     assert torch.equal(wq.weight_scale.detach(), compute_qparams(wq.weight.detach(), spec)[0])
     assert bool(torch.isfinite(model(torch.randint(0, 260, (1, 8)))).all())
+
+
+def test_skip_entries_select_modules_and_typos_are_errors():
+    spec = QuantSpec(group_size=32)
+    model = build_model(tiny_config(), seed=1)
+    names = swap_to_fake_quant(model, spec, skip=("output", "layers.1", "feed_forward.w2"))
+    assert "layers.0.attention.wq" in names and "layers.0.feed_forward.w1" in names
+    assert not any(n.startswith("layers.1.") or n.endswith("w2") or n == "output" for n in names)
+    with pytest.raises(SmeltError, match=r"fake_quant.skip: 'attention.wz' matches no module"):
+        swap_to_fake_quant(build_model(tiny_config(), seed=1), spec, skip=("output", "attention.wz"))
+    with pytest.raises(SmeltError, match="must be a list of module names, not the string 'output'"):
+        swap_to_fake_quant(build_model(tiny_config(), seed=1), spec, skip="output")
+    tied = build_model(tiny_config(tie_embeddings=True), seed=1)
+    with pytest.raises(SmeltError, match="must keep 'output': the head shares its weight with the embeddings"):
+        swap_to_fake_quant(tied, spec, skip=())
+    untied = build_model(tiny_config(tie_embeddings=False), seed=1)
+    assert "output" in swap_to_fake_quant(untied, spec, skip=())  # an untied head may be quantized
+
+
+def test_fake_quant_settings_are_typed():
+    from train.titan import fake_quant_settings
+
+    spec, learn, skip = fake_quant_settings({"group_size": 32, "learn_scale": True, "skip": ["output"]})
+    assert (spec.group_size, learn, skip) == (32, True, ("output",))
+    with pytest.raises(SmeltError, match="fake_quant.learn_scale='false' must be true or false"):
+        fake_quant_settings({"learn_scale": "false"})
+    with pytest.raises(SmeltError, match="fake_quant.skip='output' must be a list"):
+        fake_quant_settings({"skip": "output"})
+    with pytest.raises(Exception, match="group_sz"):
+        fake_quant_settings({"group_sz": 32})
+
+
+def test_saved_scales_load_only_into_the_grid_they_were_fitted_for(tmp_path):
+    from qat.qparams import load_qparams_into, save_qparams
+
+    spec = QuantSpec(group_size=32)
+    src = build_model(tiny_config(), seed=1)
+    qparams = {n: rtn(src.get_submodule(n).weight, spec)[1:] for n in linear_names(src)}
+    save_qparams(src, qparams, spec, tmp_path)
+
+    same = build_model(tiny_config(), seed=1)
+    swap_to_fake_quant(same, spec)
+    assert load_qparams_into(same, tmp_path)
+    assert torch.equal(same.get_submodule("layers.0.attention.wq").weight_scale, qparams["layers.0.attention.wq"][0])
+    for other, field in ((QuantSpec(group_size=32, symmetric=False), "symmetric"),
+                         (QuantSpec(group_size=32, bits=8), "bits"), (QuantSpec(group_size=64), "group_size")):
+        model = build_model(tiny_config(), seed=1)
+        swap_to_fake_quant(model, other)
+        with pytest.raises(SmeltError, match=f"was fitted for {field}="):
+            load_qparams_into(model, tmp_path)
+    fewer = build_model(tiny_config(), seed=1)
+    swap_to_fake_quant(fewer, spec, skip=("output", "layers.1"))
+    with pytest.raises(SmeltError, match=r"quantized layers\.1\.\S+, which this run keeps in full precision"):
+        load_qparams_into(fewer, tmp_path)

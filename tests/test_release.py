@@ -11,7 +11,7 @@ from conftest import make_byte_tokenizer, tiny_config
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from models.artifact import write_manifest
+from models.artifact import parent_record, write_manifest
 from models.errors import SmeltError, run_cli
 from models.hf_io import save_hf
 from models.llama import build_model, linear_names
@@ -20,7 +20,7 @@ from qat import release as release_mod
 from qat.fake_quant import fake_quant_modules, freeze, swap_to_fake_quant
 from qat.qparams import QPARAMS_FILE, save_qparams, spec_to_dict
 from qat.quantizers import QuantSpec, dequantize
-from qat.release import build_release, pack_mask, unpack_mask
+from qat.release import build_release, pack_mask, stage_chain, unpack_mask
 from qat.verify import verify_release
 from train.masks import MASKS_FILE, save_masks
 
@@ -53,14 +53,17 @@ def artifact(tmp_path_factory) -> tuple[Path, torch.Tensor]:
     with torch.no_grad():
         for n, (q, s, zp) in frozen.items():
             emods[n].weight.copy_(dequantize(q, s, zp, SPEC))
-    out = tmp_path_factory.mktemp("art") / "qat"
+    root = tmp_path_factory.mktemp("art")
+    (root / "teacher").mkdir()  # a source without a manifest, like a downloaded teacher
+    (root / "prune").mkdir()
+    write_manifest(root / "prune", "prune", {"pattern": "2:4"}, parent=parent_record(root / "teacher"))
+    out = root / "qat"
     out.mkdir()
     save_hf(export, out, tokenizer=make_byte_tokenizer())
     save_masks(export, masks, out)
     save_qparams(export, {n: (s, zp) for n, (_, s, zp) in frozen.items()}, SPEC, out)
     save_file({"mtp.0.proj.weight": torch.randn(4, 4)}, str(out / "mtp.safetensors"))
-    write_manifest(out, "qat", {"quant": spec_to_dict(SPEC)}, {"ppl": 12.5},
-                   parent={"stage": "prune", "settings": {"pattern": "2:4"}})
+    write_manifest(out, "qat", {"quant": spec_to_dict(SPEC)}, {"ppl": 12.5}, parent=parent_record(root / "prune"))
     return out, ref
 
 
@@ -102,7 +105,8 @@ def test_release_loads_in_transformers_with_our_logits(artifact, release):
     assert (release / "mtp.safetensors").read_bytes() == (artifact[0] / "mtp.safetensors").read_bytes()
 
     man = json.loads((release / "smelt_release.json").read_text())
-    assert [s["stage"] for s in man["stages"]] == ["prune", "qat"] and man["metrics"] == {"ppl": 12.5}
+    assert [s["stage"] for s in man["stages"]] == ["source", "prune", "qat"] and man["metrics"] == {"ppl": 12.5}
+    assert man["stages"][1]["settings"] == {"pattern": "2:4"}
     assert set(man["files"]) == {p.name for p in release.iterdir()} - {"smelt_release.json"}
     masks = load_file(str(artifact[0] / MASKS_FILE))
     bits = load_file(str(release / "sparsity.safetensors"))
@@ -185,6 +189,42 @@ def test_release_refuses_broken_mask(artifact, tmp_path, capsys):
     err = _cli_error(capsys, "--artifact", str(art), "--out", str(tmp_path / "rel"))
     assert err == f"error: {UP}: 5 weights are non-zero where the 2:4 mask removes them"
     assert not (tmp_path / "rel").exists()
+
+
+def test_stage_chain_stops_at_a_replaced_parent(tmp_path):
+    """A parent directory overwritten by another stage since is not followed: the child's record is kept."""
+    for d in ("src", "a", "b"):
+        (tmp_path / d).mkdir()
+    write_manifest(tmp_path / "a", "prune", {"pattern": "2:4"}, parent=parent_record(tmp_path / "src"))
+    child = write_manifest(tmp_path / "b", "distill", {"steps": 3}, parent=parent_record(tmp_path / "a"))
+    assert [s["stage"] for s in stage_chain(child)] == ["source", "prune", "distill"]
+    write_manifest(tmp_path / "a", "prune", {"pattern": "4:8"})  # replaced, no parent of its own
+    chain = stage_chain(child)
+    assert [s["stage"] for s in chain] == ["prune", "distill"] and chain[0]["settings"] == {"pattern": "2:4"}
+
+
+def test_release_refuses_a_mask_that_breaks_the_declared_pattern(artifact, tmp_path, capsys):
+    art = _copy(artifact[0], tmp_path)
+
+    def edit(t, _):
+        t[UP][0, :4] = True  # one group of 4 keeps all 4: no longer 2:4 (weights are irrelevant here)
+
+    _rewrite(art / MASKS_FILE, edit)
+    err = _cli_error(capsys, "--artifact", str(art), "--out", str(tmp_path / "rel"))
+    assert err == f"error: {MASKS_FILE}: {UP} breaks the 2:4 pattern its prune stage declared"
+    assert not (tmp_path / "rel").exists()
+
+
+def test_release_keeps_the_evaluation_of_its_own_artifact(artifact, tmp_path, capsys):
+    ev = {"model": str(artifact[0]), "teacher": "t", "buckets": {"en": {"kl_mean": 0.1}}, "settings": {}}
+    (tmp_path / "ev.json").write_text(json.dumps(ev))
+    rel = build_release(artifact[0], tmp_path / "rel", metrics_file=tmp_path / "ev.json")
+    assert json.loads((rel / "smelt_release.json").read_text())["metrics"] == {"ppl": 12.5, "eval": ev}
+    (tmp_path / "other.json").write_text(json.dumps({**ev, "model": str(tmp_path)}))
+    err = _cli_error(capsys, "--artifact", str(artifact[0]), "--out", str(tmp_path / "rel2"),
+                     "--metrics", str(tmp_path / "other.json"))
+    assert err == f"error: --metrics {tmp_path / 'other.json'} evaluated {tmp_path}, not the artifact {artifact[0]}"
+    assert not (tmp_path / "rel2").exists()
 
 
 def test_release_refuses_off_grid_weights(artifact, tmp_path):

@@ -231,9 +231,13 @@ def test_qat_through_the_trainer_keeps_2of4_and_exports_on_grid(dirs, tmp_path):
     out = load_hf(tmp_path / "out")
     qparams, spec = read_qparams(tmp_path / "out")
     assert spec.group_size == 32 and len(qparams) == len(masks)
+    exported = load_masks(tmp_path / "out")
+    assert set(exported) == set(masks)
     for name, mod in out.named_modules():
         if name in masks:
             w = mod.weight.detach()
+            assert torch.equal(exported[name], masks[name])  # the masks travel unchanged
+            assert not bool(w[~masks[name]].any())  # every removed weight is still exactly zero
             assert mask_is_nm(w != 0, 2, 4)  # still 2:4 after QAT
             scale = qparams[name][0].repeat_interleave(32, dim=1)
             q = w / scale

@@ -18,6 +18,7 @@ from torchtitan.protocols.model import BaseModel
 from torchtitan.tools.logging import logger
 
 from distill.losses import DistillLoss, DistillLossConfig
+from models.errors import SmeltError
 from models.hf_io import config_from_hf, copy_state_into, load_tokenizer, read_hf_config, read_hf_state
 from models.llama import LlamaConfig, Transformer
 from train.data import TokenStream
@@ -92,10 +93,16 @@ def fake_quant_settings(d: dict):
     from configs.schema import build
     from qat.quantizers import QuantSpec
 
+    from qat.fake_quant import DEFAULT_SKIP
+
     d = dict(d)
-    learn_scale = bool(d.pop("learn_scale", False))
-    skip = tuple(d.pop("skip", ("output", "tok_embeddings")))
-    return build(QuantSpec, d, "fake_quant"), learn_scale, skip
+    learn_scale = d.pop("learn_scale", False)
+    if not isinstance(learn_scale, bool):
+        raise SmeltError(f"fake_quant.learn_scale={learn_scale!r} must be true or false")
+    skip = d.pop("skip", DEFAULT_SKIP)
+    if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
+        raise SmeltError(f"fake_quant.skip={skip!r} must be a list of module names")
+    return build(QuantSpec, d, "fake_quant"), learn_scale, tuple(skip)
 
 
 def fsdp_mesh(parallel_dims):
