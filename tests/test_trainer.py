@@ -208,6 +208,12 @@ def test_bad_trainer_config_is_refused(dirs, tmp_path):
     cfg.student, cfg.teacher = str(dirs / "student"), str(tmp_path / "t300")
     with pytest.raises(SmeltError, match="vocab_size 300 != --student vocab_size 260"):
         SmeltTrainer(cfg)
+    from train.config_registry import debug_qat
+
+    cfg = debug_qat()
+    cfg.student, cfg.training.mixed_precision_param = str(dirs / "student"), "bfloat16"
+    with pytest.raises(SmeltError, match="fake_quant needs --training.mixed_precision_param float32, not 'bfloat16'"):
+        SmeltTrainer(cfg)
 
 
 def test_qat_through_the_trainer_keeps_2of4_and_exports_on_grid(dirs, tmp_path):

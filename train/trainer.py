@@ -57,6 +57,11 @@ class SmeltTrainer(Trainer):
             step_dir = Path(config.dump_folder) / ck.folder / f"step-{ck.load_step}"
             if not (step_dir / ".metadata").is_file():
                 raise SmeltError(f"--checkpoint.load_step {ck.load_step}: no checkpoint at {step_dir}")
+        if config.model_spec.model.fake_quant and config.training.mixed_precision_param != "float32":
+            # A bf16 forward would round the weights before quantizing, and the exported codes (from the fp32
+            # masters) would then differ from the ones trained.
+            raise SmeltError(f"fake_quant needs --training.mixed_precision_param float32, not "
+                             f"{config.training.mixed_precision_param!r}")
         teacher_dir = None
         if config.teacher:
             from models.teacher import resolve_teacher
