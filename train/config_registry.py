@@ -87,7 +87,8 @@ def smollm2_qat() -> SmeltTrainer.Config:
     Learned (LSQ) scales initialised from the starting artifact's qparams (GPTQ) when present, else by
     MSE-searched clipping. Global batch 4 whatever the rank count (gradient accumulation fills it).
     """
-    cfg = _config(steps=300, batch=2, seq_len=256, lr=2e-5, warmup=10, interval=50)
+    # lr 6e-5: measured over 2e-5 at 300 steps (en KL 0.104 vs 0.125, P99 0.658 vs 0.786; README).
+    cfg = _config(steps=300, batch=2, seq_len=256, lr=6e-5, warmup=10, interval=50)
     cfg.training.global_batch_size = 4
     cfg.dataloader.corpus = MIXED_CORPUS
     cfg.model_spec.model.fake_quant = {"bits": 4, "symmetric": True, "group_size": 64, "scale_init": "mse",
