@@ -246,6 +246,9 @@ def test_skip_entries_select_modules_and_typos_are_errors():
 
 
 def test_fake_quant_settings_are_typed():
+    from train import cpu_shims
+
+    cpu_shims.apply()  # before torchtitan is first imported (it reads the device type at import)
     from train.titan import fake_quant_settings
 
     spec, learn, skip = fake_quant_settings({"group_size": 32, "learn_scale": True, "skip": ["output"]})
