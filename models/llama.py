@@ -271,8 +271,10 @@ def skip_matches(name: str, entry: str) -> bool:
     return name == entry or name.startswith(entry + ".") or name.endswith("." + entry)
 
 
-def linear_names(model: nn.Module, skip: tuple[str, ...] = ("output", "tok_embeddings"),
-                 field: str = "skip") -> list[str]:
+DEFAULT_SKIP = ("output", "tok_embeddings")  # what compression stages leave alone unless told otherwise
+
+
+def linear_names(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP, field: str = "skip") -> list[str]:
     """Names of the nn.Linear modules that compression stages act on: all but those `skip` matches.
 
     Every skip entry must match some module (a typo is an error naming `field`, not a silent no-op).

@@ -17,7 +17,8 @@ from models.errors import run_cli
 from models.hf_io import load_hf, load_tokenizer
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 from prune.calibrate import CalibConfig
-from prune.run import parse_pattern, prune_model
+from prune.patterns import parse_pattern
+from prune.run import prune_model
 
 
 def peak_rss_gib() -> float:

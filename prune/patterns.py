@@ -6,6 +6,8 @@ how many weights are pruned.
 """
 from __future__ import annotations
 
+import re
+
 import torch
 
 from models.errors import SmeltError
@@ -61,3 +63,13 @@ def mask_is_nm(mask: torch.Tensor, n: int, m: int) -> bool:
     check_nm(n, m, mask.shape[-1])
     groups = (mask != 0).reshape(-1, m)
     return bool((groups.sum(dim=-1) <= n).all())
+
+
+def parse_pattern(spec: str) -> tuple[int, int]:
+    """A pattern such as "2:4" as (n, m), checked 0 < N < M."""
+    match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", spec)
+    if not match:
+        raise SmeltError(f"--pattern must be N:M (e.g. 2:4), got {spec!r}")
+    n, m = int(match.group(1)), int(match.group(2))
+    check_nm(n, m, m)  # 0 < N < M; divisibility is checked per module
+    return n, m

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import sys
 import time
 from pathlib import Path
@@ -31,26 +30,16 @@ from eval.evaluate import (
 from models.artifact import atomic_dir, write_manifest
 from models.errors import SmeltError, run_cli
 from models.hf_io import load_hf, load_tokenizer, save_hf
-from models.llama import linear_names
+from models.llama import DEFAULT_SKIP, linear_names
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 from prune import algorithms
 from prune.calibrate import CalibConfig, LinearStats, release_memory, run_blocks
 from prune.hessian import timed_inverses
-from prune.patterns import check_nm, check_sparsity
+from prune.patterns import check_nm, check_sparsity, parse_pattern
 from train.masks import save_masks
 
 METHODS = ("magnitude", "wanda", "sparsegpt", "obs")
 CALIBRATED = ("wanda", "sparsegpt", "obs")
-DEFAULT_SKIP = ("output", "tok_embeddings")
-
-
-def parse_pattern(spec: str) -> tuple[int, int]:
-    match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", spec)
-    if not match:
-        raise SmeltError(f"--pattern must be N:M (e.g. 2:4), got {spec!r}")
-    n, m = int(match.group(1)), int(match.group(2))
-    check_nm(n, m, m)  # 0 < N < M; divisibility is checked per module
-    return n, m
 
 
 def prune_targets(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP) -> list[str]:

@@ -23,7 +23,7 @@ from torch import nn
 
 from models.dtensor import copy_into, full
 from models.errors import SmeltError
-from models.llama import linear_names
+from models.llama import DEFAULT_SKIP, linear_names
 from qat.quantizers import QuantSpec, check_group, compute_qparams, fake_quantize, quantize
 
 
@@ -122,9 +122,6 @@ class FakeQuantLinear(nn.Linear):
 
 def fake_quant_modules(model: nn.Module) -> dict[str, FakeQuantLinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, FakeQuantLinear)}
-
-
-DEFAULT_SKIP = ("output", "tok_embeddings")
 
 
 def quantized_linears(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP, field: str = "skip") -> list[str]:

@@ -19,9 +19,10 @@ import torch
 from models.artifact import atomic_dir, parent_record, write_manifest
 from models.errors import SmeltError, run_cli
 from models.hf_io import load_hf, load_tokenizer, save_hf
+from models.llama import DEFAULT_SKIP
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 from prune.calibrate import CalibConfig, run_blocks
-from qat.fake_quant import DEFAULT_SKIP, quantized_linears
+from qat.fake_quant import quantized_linears
 from qat.gptq import gptq_quantize
 from qat.qparams import save_qparams, spec_to_dict
 from qat.quantizers import QuantSpec, check_group, rtn

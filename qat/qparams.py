@@ -67,6 +67,10 @@ def load_qparams_into(model: nn.Module, art_dir: str | Path) -> bool:
         return False
     saved, saved_spec = read_qparams(art_dir)
     modules = fake_quant_modules(model)
+    extra = sorted(set(saved) - set(modules))
+    if extra:
+        raise SmeltError(f"{art_dir}/{QPARAMS_FILE} quantized {extra[0]}, which this run keeps in full precision "
+                         f"(fake_quant.skip differs from the PTQ stage's)")
     for name, mod in modules.items():
         # Scales only mean something on the grid they were fitted for (bits, symmetry, groups).
         for field in ("bits", "symmetric", "group_size"):
@@ -75,11 +79,6 @@ def load_qparams_into(model: nn.Module, art_dir: str | Path) -> bool:
                                  f"this run quantizes {name} with {field}={getattr(mod.spec, field)}")
         if name not in saved:
             raise SmeltError(f"{art_dir}/{QPARAMS_FILE} has no scales for {name}")
-    extra = sorted(set(saved) - set(modules))
-    if extra:
-        raise SmeltError(f"{art_dir}/{QPARAMS_FILE} quantized {extra[0]}, which this run keeps in full precision "
-                         f"(fake_quant.skip differs from the PTQ stage's)")
-    for name, mod in modules.items():
         scale, zp = saved[name]
         if tuple(scale.shape) != tuple(mod.weight_scale.shape):
             raise SmeltError(f"{QPARAMS_FILE}: {name} scale shape {tuple(scale.shape)} != "

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from models.artifact import atomic_dir, read_manifest, sha256_file
 from models.errors import SmeltError, run_cli
 from models.hf_io import read_hf_config, to_hf_name
-from prune.patterns import mask_is_nm
+from prune.patterns import mask_is_nm, parse_pattern
 from qat.qparams import QPARAMS_FILE, read_qparams, spec_to_dict
 from qat.quantizers import QuantSpec, check_group, dequantize, quantize
 from train.masks import MASKS_FILE
@@ -156,8 +155,8 @@ def declared_pattern(chain: list[dict]) -> tuple[int, int] | None:
     """(n, m) of the N:M pattern the latest prune stage of the chain declared, else None."""
     for st in reversed(chain):
         if st.get("stage") == "prune":
-            m = re.fullmatch(r"(\d+):(\d+)", str((st.get("settings") or {}).get("pattern") or ""))
-            return (int(m.group(1)), int(m.group(2))) if m else None
+            pattern = (st.get("settings") or {}).get("pattern")  # None for unstructured sparsity
+            return parse_pattern(pattern) if pattern else None
     return None
 
 

@@ -20,7 +20,7 @@ from torchtitan.tools.logging import logger
 from distill.losses import DistillLoss, DistillLossConfig
 from models.errors import SmeltError
 from models.hf_io import config_from_hf, copy_state_into, load_tokenizer, read_hf_config, read_hf_state
-from models.llama import LlamaConfig, Transformer
+from models.llama import DEFAULT_SKIP, LlamaConfig, Transformer
 from train.data import TokenStream
 
 
@@ -92,8 +92,6 @@ def fake_quant_settings(d: dict):
     """Split a fake_quant config dict into (QuantSpec, learn_scale, skip); unknown keys are refused."""
     from configs.schema import build
     from qat.quantizers import QuantSpec
-
-    from qat.fake_quant import DEFAULT_SKIP
 
     d = dict(d)
     learn_scale = d.pop("learn_scale", False)
