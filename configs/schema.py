@@ -8,7 +8,7 @@ from pathlib import Path
 
 import tomllib
 
-from models.errors import SmeltError
+from core.errors import SmeltError
 
 
 def _check_type(value, tp, where: str):

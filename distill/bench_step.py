@@ -19,8 +19,8 @@ import time
 
 import torch
 
+from core.errors import ArgumentParser, run_cli
 from distill.losses import DistillLoss
-from models.errors import run_cli
 from models.hf_io import load_hf
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 
@@ -65,7 +65,7 @@ def peak_memory_of(mode: str, args) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(prog="python -m distill.bench_step", description=__doc__.split("\n")[0])
     ap.add_argument("--teacher", default=DEFAULT_TEACHER)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=256)

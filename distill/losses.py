@@ -24,14 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.errors import SmeltError
+from core.errors import SmeltError
+from core.kl import kl_rows
 
 KINDS = ("forward_kl", "reverse_kl", "skew_kl", "js")
-
-
-def _kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
-    """Per-row KL(p || q) from log-probabilities (0 * log 0 treated as 0)."""
-    return (logp.exp() * (logp - logq)).sum(-1)
 
 
 def divergence(kind: str, s_logits: torch.Tensor, t_logits: torch.Tensor, temperature: float = 1.0,
@@ -40,16 +36,16 @@ def divergence(kind: str, s_logits: torch.Tensor, t_logits: torch.Tensor, temper
     logq = F.log_softmax(s_logits.float() / temperature, dim=-1)
     logp = F.log_softmax(t_logits.float() / temperature, dim=-1)
     if kind == "forward_kl":
-        d = _kl(logp, logq)
+        d = kl_rows(logp, logq)
     elif kind == "reverse_kl":
-        d = _kl(logq, logp)
+        d = kl_rows(logq, logp)
     elif kind == "skew_kl":
         logm = torch.logaddexp(logp + torch.log(torch.tensor(skew_alpha)),
                                logq + torch.log1p(torch.tensor(-skew_alpha)))
-        d = _kl(logp, logm)
+        d = kl_rows(logp, logm)
     elif kind == "js":
         logm = torch.logaddexp(logp, logq) - torch.log(torch.tensor(2.0))
-        d = 0.5 * (_kl(logp, logm) + _kl(logq, logm))
+        d = 0.5 * (kl_rows(logp, logm) + kl_rows(logq, logm))
     else:
         raise SmeltError(f"distill.loss={kind!r} is not one of {', '.join(KINDS)}")
     return d * temperature ** 2

@@ -11,52 +11,27 @@ renormalise the cached rows so KL(teacher‖teacher) is 0.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import hashlib
 import json
-import os
-from dataclasses import dataclass, field
+import shlex
+import sys
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from configs.schema import build, load_toml
+from core.artifact import weights_fingerprint
+from core.data import BUCKETS, EvalConfig, corpus_record, eval_windows, parse_windows
+from core.device import default_device, machine_record
+from core.errors import ArgumentParser, SmeltError, run_cli
+from core.fetch import cache_root
+from core.files import atomic_save_safetensors, atomic_write_text
 from eval.metrics import cat_stats, per_token_stats, summarize
-from models.artifact import atomic_write_text, sha256_file
-from models.errors import SmeltError, run_cli
 from models.hf_io import load_hf, load_tokenizer
-from models.teacher import DEFAULT_TEACHER, cache_root, resolve_teacher
-from train.data import BUCKETS, corpus_record, eval_windows
-
-
-@dataclass
-class EvalConfig:
-    seq_len: int = 512
-    windows: dict = field(default_factory=lambda: {"en": 16, "zh": 8, "code": 8})
-    batch_size: int = 4
-
-    def __post_init__(self):
-        bad = sorted(set(self.windows) - set(BUCKETS))
-        if bad:
-            raise SmeltError(f"eval.windows: unknown bucket {bad[0]!r} (known: {', '.join(BUCKETS)})")
-        if self.seq_len < 2 or self.batch_size < 1 or any(int(n) < 1 for n in self.windows.values()):
-            raise SmeltError("eval: seq_len >= 2, batch_size >= 1 and windows >= 1 per bucket are required")
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def weights_fingerprint(model_dir: Path) -> str:
-    """Hash of config.json and the safetensors files: the teacher-cache key's model half."""
-    h = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for f in sorted(model_dir.glob("*.safetensors")):
-        h.update(sha256_file(f).encode())
-    return h.hexdigest()
+from models.teacher import DEFAULT_TEACHER, resolve_teacher
 
 
 @torch.no_grad()
@@ -76,10 +51,7 @@ def teacher_logprobs_file(teacher_dir: Path, windows: torch.Tensor, get_teacher,
     teacher = get_teacher()
     parts = [torch.log_softmax(_logits(teacher, b, device), dim=-1).half()
              for b in tqdm(windows.split(batch_size), desc=f"{desc} log-probs", leave=False)]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file({"logprobs": torch.cat(parts), "windows": windows}, str(tmp))
-    os.replace(tmp, path)
+    atomic_save_safetensors({"logprobs": torch.cat(parts), "windows": windows}, path)
     return path
 
 
@@ -128,39 +100,32 @@ def format_table(report: dict, title: str = "") -> str:
     return "\n".join(lines)
 
 
-def parse_windows(spec: str) -> dict:
-    out = {}
-    for part in spec.split(","):
-        name, _, n = part.partition("=")
-        if not n.isdigit():
-            raise SmeltError(f"--windows: expected bucket=N, got {part!r}")
-        out[name.strip()] = int(n)
-    return out
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description="Evaluate a model against its teacher, per bucket.")
+def main(argv: list[str] | None = None) -> None:
+    ap = ArgumentParser(prog="python -m eval.evaluate", description="Evaluate a model against its teacher, per bucket.")
     ap.add_argument("--model", help="HF model directory to evaluate (default: the teacher itself)")
     ap.add_argument("--teacher", default=DEFAULT_TEACHER, help="registered name, .gguf or HF directory")
     ap.add_argument("--config", help="TOML file with EvalConfig keys")
     ap.add_argument("--seq-len", type=int)
     ap.add_argument("--windows", help="per-bucket window counts, e.g. en=16,zh=8,code=8")
+    ap.add_argument("--batch-size", type=int, help="windows per forward (EvalConfig default)")
     ap.add_argument("--out", help="write the JSON report here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     overrides = {}
     if args.seq_len:
         overrides["seq_len"] = args.seq_len
     if args.windows:
         overrides["windows"] = parse_windows(args.windows)
+    if args.batch_size:
+        overrides["batch_size"] = args.batch_size
     cfg = load_toml(EvalConfig, args.config, overrides) if args.config else build(EvalConfig, overrides)
     teacher_dir = resolve_teacher(args.teacher)
     model_dir = Path(args.model) if args.model else teacher_dir
     model = load_hf(model_dir).to(default_device())
     report = evaluate(model, teacher_dir, cfg, teacher=model if model_dir == teacher_dir else None)
-    report.update(model=str(model_dir), teacher=str(teacher_dir))
+    report.update(model=str(model_dir), teacher=str(teacher_dir), machine=machine_record(),
+                  command=shlex.join(["python", "-m", "eval.evaluate", *(sys.argv[1:] if argv is None else argv)]))
     print(format_table(report, title=f"{model_dir} vs teacher {teacher_dir.name}"))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(args.out, json.dumps(report, indent=2) + "\n")
 
 

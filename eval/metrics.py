@@ -9,7 +9,12 @@ import math
 
 import torch
 
+from core.kl import kl_rows
+
 DEFAULT_CHUNK = 1024
+# Probabilities at which each bucket's per-token KL quantiles are stored: the distribution (CDF) the report
+# draws, with the tail resolved finely, since compression damage concentrates in few tokens.
+KL_CDF_P = [round(i / 100, 2) for i in range(1, 100)] + [0.995, 0.999]
 
 
 @torch.no_grad()
@@ -32,7 +37,7 @@ def per_token_stats(logits: torch.Tensor, teacher_logprobs: torch.Tensor, target
         tlp = teacher_logprobs[s:e].float()
         # Renormalise the (possibly fp16-cached) teacher log-probs so KL(t||t) is exactly 0.
         tlp = tlp - torch.logsumexp(tlp, dim=-1, keepdim=True)
-        kl[s:e] = (tlp.exp() * (tlp - lp)).sum(-1).clamp_min(0.0)
+        kl[s:e] = kl_rows(tlp, lp).clamp_min(0.0)
         tgt = targets[s:e].unsqueeze(-1)
         nll[s:e] = -lp.gather(-1, tgt).squeeze(-1)
         t_nll[s:e] = -tlp.gather(-1, tgt).squeeze(-1)
@@ -44,6 +49,7 @@ def summarize(stats: dict[str, torch.Tensor]) -> dict[str, float]:
     """Aggregate per-token stats: PPL, KL mean and tail quantiles, top-1 agreement."""
     kl = stats["kl"].double()
     q = torch.quantile(kl, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
+    cdf = torch.quantile(kl, torch.tensor(KL_CDF_P, dtype=torch.float64)).tolist()
     return {
         "tokens": int(kl.numel()),
         "ppl": math.exp(stats["nll"].double().mean().item()),
@@ -54,6 +60,7 @@ def summarize(stats: dict[str, torch.Tensor]) -> dict[str, float]:
         "kl_p99": q[2],
         "kl_max": kl.max().item(),
         "top1_agree": stats["top1_agree"].double().mean().item(),
+        "kl_cdf": {"p": KL_CDF_P, "kl": [float(f"{v:.6g}") for v in cdf]},
     }
 
 

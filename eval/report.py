@@ -7,12 +7,11 @@ P99 per stage and bucket, log scale) into the run directory, and prints the tabl
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
-from models.artifact import atomic_write_text
-from models.errors import SmeltError, run_cli
+from core.errors import ArgumentParser, SmeltError, run_cli
+from core.files import atomic_write_text
 
 STAGE_ORDER = ["teacher", "pruned", "recovered", "gptq", "rtn", "qat"]
 
@@ -67,7 +66,7 @@ def plot(reports: dict[str, dict], out: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="Side-by-side degradation report of a run's stages.")
+    ap = ArgumentParser(prog="python -m eval.report", description="Side-by-side degradation report of a run's stages.")
     ap.add_argument("--run", required=True, help="run directory holding evals/*.json")
     args = ap.parse_args()
     run = Path(args.run)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.errors import SmeltError
+from core.errors import SmeltError
 from models.llama import LlamaConfig, Transformer
 
 _GGUF_LAYER = {

@@ -7,52 +7,15 @@ read; nothing is unpickled.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from models.errors import SmeltError
+from core.dtensor import copy_into
+from core.errors import SmeltError
+from core.files import atomic_save_safetensors, iter_safetensors, read_safetensors
+from core.hf_names import from_hf_name, layer_index, to_hf_name
 from models.llama import LlamaConfig, Transformer
-
-_LAYER_MAP = {
-    "attention.wq": "self_attn.q_proj",
-    "attention.wk": "self_attn.k_proj",
-    "attention.wv": "self_attn.v_proj",
-    "attention.wo": "self_attn.o_proj",
-    "feed_forward.w1": "mlp.gate_proj",
-    "feed_forward.w2": "mlp.down_proj",
-    "feed_forward.w3": "mlp.up_proj",
-    "attention_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_TOP_MAP = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
-_HF_LAYER_MAP = {v: k for k, v in _LAYER_MAP.items()}
-_HF_TOP_MAP = {v: k for k, v in _TOP_MAP.items()}
-
-
-def to_hf_name(name: str, layer_index: dict[str, int] | None = None) -> str:
-    """Our parameter/module name -> HF name. `layer_index` renumbers layers (after depth pruning)."""
-    m = re.match(r"layers\.(\d+)\.(.+?)(\.weight|\.bias)?$", name)
-    if m:
-        i = layer_index[m.group(1)] if layer_index else int(m.group(1))
-        return f"model.layers.{i}.{_LAYER_MAP[m.group(2)]}{m.group(3) or ''}"
-    head, _, tail = name.partition(".")
-    return _TOP_MAP[head] + ("." + tail if tail else "")
-
-
-def from_hf_name(name: str) -> str:
-    m = re.match(r"model\.layers\.(\d+)\.(.+?)(\.weight|\.bias)?$", name)
-    if m:
-        if m.group(2) not in _HF_LAYER_MAP:
-            raise SmeltError(f"unexpected tensor {name} (not a Llama-family checkpoint?)")
-        return f"layers.{m.group(1)}.{_HF_LAYER_MAP[m.group(2)]}{m.group(3) or ''}"
-    for hf, ours in _HF_TOP_MAP.items():
-        if name == hf or name.startswith(hf + "."):
-            return ours + name[len(hf):]
-    raise SmeltError(f"unexpected tensor {name} (not a Llama-family checkpoint?)")
 
 
 def config_to_hf(cfg: LlamaConfig, n_layers: int | None = None) -> dict:
@@ -102,11 +65,6 @@ def config_from_hf(d: dict) -> LlamaConfig:
     )
 
 
-def layer_index(model: Transformer) -> dict[str, int]:
-    """Our layer key -> HF layer number: kept layers renumbered 0..n-1 in order (after depth pruning)."""
-    return {k: i for i, k in enumerate(sorted(model.layers.keys(), key=int))}
-
-
 def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     """Our weights under HF names, layers renumbered 0..n-1 in order, tied lm_head omitted."""
     index = layer_index(model)
@@ -125,8 +83,7 @@ def save_hf(model: Transformer, out_dir: str | Path, tokenizer=None, dtype: torc
     sd = hf_state_dict(model)
     if dtype is not None:
         sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
-    save_file({k: v.cpu() for k, v in sd.items()}, str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})
+    atomic_save_safetensors(sd, out_dir / "model.safetensors", metadata={"format": "pt"})
     cfg = config_to_hf(model.cfg, n_layers=len(model.layers))
     if dtype is not None:
         cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
@@ -136,7 +93,9 @@ def save_hf(model: Transformer, out_dir: str | Path, tokenizer=None, dtype: torc
         tokenizer.save_pretrained(str(out_dir))
 
 
-def _safetensors_files(model_dir: Path) -> list[Path]:
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The weight files of an HF directory: model.safetensors, or the shards its index lists."""
+    model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -149,11 +108,22 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     raise SmeltError(f"{model_dir} has no model.safetensors")
 
 
+def read_hf_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF directory under its HF name, as stored (checked readable and finite)."""
+    state = {}
+    for f in safetensors_files(model_dir):
+        state.update(read_safetensors(f))
+    return state
+
+
 def read_hf_config(model_dir: str | Path) -> dict:
     p = Path(model_dir) / "config.json"
     if not p.is_file():
         raise SmeltError(f"{model_dir} has no config.json (not a Hugging Face model directory)")
-    return json.loads(p.read_text())
+    try:
+        return json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SmeltError(f"{p} is not valid JSON ({e})") from None
 
 
 def read_hf_state(model_dir: str | Path, cfg: LlamaConfig, dtype: torch.dtype = torch.float32
@@ -165,20 +135,18 @@ def read_hf_state(model_dir: str | Path, cfg: LlamaConfig, dtype: torch.dtype = 
     if cfg.tie_embeddings:
         expected.pop("output.weight")
     loaded: dict[str, torch.Tensor] = {}
-    for f in _safetensors_files(model_dir):
-        with safe_open(str(f), framework="pt") as sf:
-            for hf_name in sf.keys():
-                if hf_name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and hf_name == "lm_head.weight"):
-                    continue
-                name = from_hf_name(hf_name)
-                if name not in expected:
-                    raise SmeltError(f"{f.name}: tensor {hf_name} has no place in the model "
-                                     f"(config.json says {cfg.n_layers} layers)")
-                t = sf.get_tensor(hf_name)
-                if tuple(t.shape) != tuple(expected[name].shape):
-                    raise SmeltError(f"{f.name}: {hf_name} has shape {tuple(t.shape)}, config.json implies "
-                                     f"{tuple(expected[name].shape)}")
-                loaded[name] = t.to(dtype)
+    for f in safetensors_files(model_dir):
+        for hf_name, t in iter_safetensors(f):  # a truncated file or a NaN weight is refused by name
+            if hf_name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and hf_name == "lm_head.weight"):
+                continue
+            name = from_hf_name(hf_name)
+            if name not in expected:
+                raise SmeltError(f"{f.name}: tensor {hf_name} has no place in the model "
+                                 f"(config.json says {cfg.n_layers} layers)")
+            if tuple(t.shape) != tuple(expected[name].shape):
+                raise SmeltError(f"{f.name}: {hf_name} has shape {tuple(t.shape)}, config.json implies "
+                                 f"{tuple(expected[name].shape)}")
+            loaded[name] = t.to(dtype)
     missing = sorted(set(expected) - set(loaded))
     if missing:
         raise SmeltError(f"{model_dir}: checkpoint is missing {missing[0]}"
@@ -189,8 +157,6 @@ def read_hf_state(model_dir: str | Path, cfg: LlamaConfig, dtype: torch.dtype = 
 @torch.no_grad()
 def copy_state_into(model: Transformer, state: dict[str, torch.Tensor]) -> None:
     """Copy full tensors into the model's parameters, which may be FSDP2 DTensor shards."""
-    from models.dtensor import copy_into
-
     params = dict(model.named_parameters(remove_duplicate=False))
     for name, t in state.items():
         copy_into(params[name], t.to(params[name].dtype))

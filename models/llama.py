@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.errors import SmeltError
+from core.errors import SmeltError
 
 
 @dataclass

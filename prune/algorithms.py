@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from models.errors import SmeltError
-from prune.hessian import check_hessian, dampened_inverse_cholesky, inverse_hessian
+from core.errors import SmeltError
+from core.obs import check_hessian, dampened_inverse_cholesky, inverse_hessian
 from prune.patterns import check_nm, check_sparsity, n_pruned, nm_mask, topk_mask_unstructured
 
 _OBS_CHUNK_BYTES = 256 << 20  # exact OBS keeps one [in, in] inverse per row; bound it by row chunks

@@ -9,24 +9,19 @@ accumulation, Hessian inverses, and the pruning updates.
 """
 from __future__ import annotations
 
-import argparse
-import resource
 import time
 
-from models.errors import run_cli
+from core.calibrate import CalibConfig
+from core.device import peak_rss_gib
+from core.errors import ArgumentParser, run_cli
 from models.hf_io import load_hf, load_tokenizer
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
-from prune.calibrate import CalibConfig
 from prune.patterns import parse_pattern
 from prune.run import prune_model
 
 
-def peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(prog="python -m prune.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--teacher", default=DEFAULT_TEACHER)
     ap.add_argument("--method", default="sparsegpt")
     ap.add_argument("--pattern", default="2:4")

@@ -10,7 +10,7 @@ import re
 
 import torch
 
-from models.errors import SmeltError
+from core.errors import SmeltError
 
 
 def check_sparsity(sparsity: float) -> None:

@@ -9,7 +9,6 @@ with per-module sparsity and relative reconstruction error tr(ΔW H ΔWᵀ) / tr
 """
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -19,24 +18,20 @@ import torch
 from torch import nn
 
 from configs.schema import build
-from eval.evaluate import (
-    EvalConfig,
-    default_device,
-    evaluate,
-    format_table,
-    parse_windows,
-    weights_fingerprint,
-)
-from models.artifact import atomic_dir, write_manifest
-from models.errors import SmeltError, run_cli
+from core.artifact import weights_fingerprint, write_manifest
+from core.calibrate import CalibConfig, LinearStats, run_blocks
+from core.data import EvalConfig, parse_windows
+from core.device import default_device, release_memory
+from core.errors import ArgumentParser, SmeltError, run_cli
+from core.evaluation import evaluate_dir
+from core.files import atomic_dir
+from core.masks import save_masks
+from core.obs import timed_inverses
 from models.hf_io import load_hf, load_tokenizer, save_hf
 from models.llama import DEFAULT_SKIP, linear_names
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 from prune import algorithms
-from prune.calibrate import CalibConfig, LinearStats, release_memory, run_blocks
-from prune.hessian import timed_inverses
 from prune.patterns import check_nm, check_sparsity, parse_pattern
-from train.masks import save_masks
 
 METHODS = ("magnitude", "wanda", "sparsegpt", "obs")
 CALIBRATED = ("wanda", "sparsegpt", "obs")
@@ -157,13 +152,8 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
     return masks, report
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one-line "error: ..." and exit 2 via run_cli, like every other bad input
-        raise SmeltError(message)
-
-
 def _parse_args(argv):
-    ap = _Parser(prog="python -m prune.run", description=__doc__.split("\n")[0])
+    ap = ArgumentParser(prog="python -m prune.run", description=__doc__.split("\n")[0])
     ap.add_argument("--teacher", default=DEFAULT_TEACHER, help="registered name, .gguf or HF directory")
     ap.add_argument("--method", required=True, help=f"one of {', '.join(METHODS)}")
     amount = ap.add_mutually_exclusive_group(required=True)
@@ -248,10 +238,10 @@ def main(argv: list[str] | None = None) -> None:
         save_masks(model, masks, tmp)
         del masks  # one byte per weight: freed before the evaluation's full-vocabulary temporaries
         if args.eval:
+            del model
             release_memory()
-            ev = evaluate(model, teacher_dir, eval_cfg, tokenizer=tokenizer)
+            ev = evaluate_dir(tmp, args.teacher, tmp / "eval.json", eval_cfg.cli_args())
             metrics["eval"], settings["eval"] = ev["buckets"], ev["settings"]
-            print(format_table(ev, title=f"{out} ({args.method} {args.pattern or args.sparsity}) vs teacher"))
         write_manifest(tmp, stage="prune", settings=settings, metrics=metrics,
                        parent={"path": str(teacher_dir), "fingerprint": weights_fingerprint(teacher_dir)})
     print(out)

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.dtensor import copy_into, full
-from models.errors import SmeltError
+from core.dtensor import copy_into, full
+from core.errors import SmeltError
 from models.llama import DEFAULT_SKIP, linear_names
 from qat.quantizers import QuantSpec, check_group, compute_qparams, fake_quantize, quantize
 
@@ -46,7 +46,7 @@ class FakeQuantLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.spec, self.learn_scale = spec, learn_scale
         self._alloc_qparams(self.weight.device)
-        self.register_buffer("weight_mask", None, persistent=False)  # masks are saved by train.masks
+        self.register_buffer("weight_mask", None, persistent=False)  # masks are saved by core.masks
 
     def _alloc_qparams(self, device: torch.device) -> None:
         """Scales of 1 (zero points of 0) until init_scales(); fp32 whatever the weight dtype."""

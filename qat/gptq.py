@@ -1,7 +1,7 @@
 """GPTQ (Frantar et al. 2022): quantise a linear layer column by column, compensating with OBS updates.
 
 Same setting as prune.algorithms.sparsegpt_prune: W [out, in], H = X^T X [in, in] from calibration
-inputs, U = upper Cholesky factor of (H + damp I)^-1 (prune.hessian.dampened_inverse_cholesky). Fixing
+inputs, U = upper Cholesky factor of (H + damp I)^-1 (core.obs.dampened_inverse_cholesky). Fixing
 column i to its quantised value q_i (after columns 0..i-1 were fixed) is best compensated by subtracting
 err_i * U[i, i:] from columns i.. with err_i = (w_i - q_i) / U[i, i]. Updates inside a block of columns
 are applied eagerly; those to later columns are batched into one matmul per block (lazy batch update).
@@ -13,8 +13,8 @@ import math
 
 import torch
 
-from models.errors import SmeltError
-from prune.hessian import check_hessian, dampened_inverse_cholesky
+from core.errors import SmeltError
+from core.obs import check_hessian, dampened_inverse_cholesky
 from qat.quantizers import QuantSpec, check_weight, compute_qparams, work_dtype
 
 

@@ -4,29 +4,31 @@
     python -m qat.ptq --method rtn --artifact runs/smollm2/pruned-2of4 --out runs/smollm2/rtn-2of4
 
 The input is the teacher (default) or any artifact (a pruned one keeps its masks: GPTQ never revives a
-removed weight). GPTQ's Hessians come from the calibration engine (prune.calibrate.run_blocks), block by
+removed weight). GPTQ's Hessians come from the calibration engine (core.calibrate.run_blocks), block by
 block and sequentially (each block calibrated on the already-quantized blocks before it). The output is
 the quantized artifact format of qat.qparams: dequantized weights + scales (+ masks) + manifest.
 """
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
 import torch
 
-from models.artifact import atomic_dir, parent_record, write_manifest
-from models.errors import SmeltError, run_cli
+from core.artifact import parent_record, write_manifest
+from core.calibrate import CalibConfig, run_blocks
+from core.device import release_memory
+from core.errors import ArgumentParser, SmeltError, run_cli
+from core.evaluation import evaluate_dir
+from core.files import atomic_dir
+from core.masks import load_masks, save_masks
 from models.hf_io import load_hf, load_tokenizer, save_hf
 from models.llama import DEFAULT_SKIP
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
-from prune.calibrate import CalibConfig, run_blocks
 from qat.fake_quant import quantized_linears
 from qat.gptq import gptq_quantize
 from qat.qparams import save_qparams, spec_to_dict
 from qat.quantizers import QuantSpec, check_group, rtn
-from train.masks import load_masks, save_masks
 
 
 def quantize_model(model, method: str, spec: QuantSpec, masks: dict, windows: torch.Tensor | None,
@@ -67,8 +69,8 @@ def quantize_model(model, method: str, spec: QuantSpec, masks: dict, windows: to
     return qparams, {"modules": len(qparams), "seconds": seconds}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description="RTN / GPTQ weight quantization into a quantized artifact.")
+def main(argv: list[str] | None = None) -> None:
+    ap = ArgumentParser(prog="python -m qat.ptq", description="RTN / GPTQ weight quantization into a quantized artifact.")
     ap.add_argument("--teacher", default=DEFAULT_TEACHER)
     ap.add_argument("--artifact", help="quantize this artifact instead of the teacher (keeps its masks)")
     ap.add_argument("--method", required=True, choices=["rtn", "gptq"])
@@ -90,7 +92,7 @@ def main() -> None:
                     help="modules left in full precision: full names, dotted prefixes ('layers.0') or "
                          "suffixes ('feed_forward.w2'), comma-separated")
     ap.add_argument("--eval", action="store_true", help="evaluate against the teacher into the manifest")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     skip = tuple(s.strip() for s in args.skip.split(",") if s.strip())
     out = Path(args.out)
     if out.exists() and not args.overwrite:
@@ -114,17 +116,15 @@ def main() -> None:
                                      args.percdamp, args.act_order, skip)
     report["wall_s"] = time.perf_counter() - t0
     metrics = {"ptq": report}
-    if args.eval:
-        from eval.evaluate import evaluate, format_table
-
-        ev = evaluate(model, teacher_dir, tokenizer=tokenizer)
-        print(format_table(ev, title=f"{args.method} w{args.bits} g{args.group_size} vs teacher"))
-        metrics["eval"] = ev
     with atomic_dir(out, overwrite=args.overwrite) as tmp:
         save_hf(model, tmp, tokenizer=tokenizer)
         save_qparams(model, qparams, spec, tmp)
         if masks:
             save_masks(model, masks, tmp)
+        if args.eval:
+            del model
+            release_memory()
+            metrics["eval"] = evaluate_dir(tmp, args.teacher, tmp / "eval.json")
         write_manifest(tmp, stage="ptq", settings={
             "method": args.method, "spec": spec_to_dict(spec), "act_order": args.act_order,
             "blocksize": args.blocksize, "percdamp": args.percdamp, "source": str(src), "skip": list(skip),

@@ -12,11 +12,13 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
-from models.errors import SmeltError
+from core.dtensor import copy_into
+from core.errors import SmeltError
+from core.hf_names import layer_index
+from core.sidefiles import load_side_file, save_side_file
+from qat.fake_quant import fake_quant_modules
 from qat.quantizers import QuantSpec
 
 QPARAMS_FILE = "qparams.safetensors"
@@ -30,39 +32,31 @@ def spec_to_dict(spec: QuantSpec) -> dict:
 def save_qparams(model: nn.Module, qparams: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
                  spec: QuantSpec, out_dir: str | Path) -> None:
     """qparams: {our module name: (scale, zero_point or None)}; names saved as HF names."""
-    from models.hf_io import layer_index, to_hf_name
-
-    index = layer_index(model)
     tensors = {}
     for name, (scale, zp) in qparams.items():
-        hf = to_hf_name(name, index)
-        tensors[f"{hf}.weight_scale"] = scale.float().contiguous().cpu()
+        tensors[(name, "weight_scale")] = scale.float()
         if zp is not None:
-            tensors[f"{hf}.weight_zero_point"] = zp.to(torch.int8).contiguous().cpu()
-    save_file(tensors, str(Path(out_dir) / QPARAMS_FILE),
-              metadata={"format": "smelt-qparams/1", "spec": json.dumps(spec_to_dict(spec))})
+            tensors[(name, "weight_zero_point")] = zp.to(torch.int8)
+    save_side_file(Path(out_dir) / QPARAMS_FILE, tensors, layer_index(model),
+                   metadata={"format": "smelt-qparams/1", "spec": json.dumps(spec_to_dict(spec))})
 
 
 def read_qparams(art_dir: str | Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor | None]], QuantSpec]:
     """({our module name: (scale, zp)}, spec) of an artifact; SmeltError if it has none."""
-    from models.hf_io import from_hf_name
-
     path = Path(art_dir) / QPARAMS_FILE
     if not path.is_file():
         raise SmeltError(f"{art_dir} has no {QPARAMS_FILE} (not a quantized artifact)")
-    with safe_open(str(path), framework="pt") as f:
-        spec = QuantSpec(**json.loads(f.metadata()["spec"]))
-        scales = {k.removesuffix(".weight_scale"): f.get_tensor(k) for k in f.keys() if k.endswith("_scale")}
-        zps = {k.removesuffix(".weight_zero_point"): f.get_tensor(k) for k in f.keys() if k.endswith("_point")}
-    return {from_hf_name(k): (v, zps.get(k)) for k, v in scales.items()}, spec
+    tensors, meta = load_side_file(path)
+    if "spec" not in meta:
+        raise SmeltError(f"{path} has no 'spec' metadata (not written by smelt's qat stages)")
+    spec = QuantSpec(**json.loads(meta["spec"]))
+    scales = {m: t for (m, suffix), t in tensors.items() if suffix == "weight_scale"}
+    return {m: (t, tensors.get((m, "weight_zero_point"))) for m, t in scales.items()}, spec
 
 
 @torch.no_grad()
 def load_qparams_into(model: nn.Module, art_dir: str | Path) -> bool:
     """Copy an artifact's saved scales into the model's FakeQuantLinear modules; False if it has none."""
-    from models.dtensor import copy_into
-    from qat.fake_quant import fake_quant_modules
-
     if not (Path(art_dir) / QPARAMS_FILE).is_file():
         return False
     saved, saved_spec = read_qparams(art_dir)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.errors import SmeltError
+from core.errors import SmeltError
 
 SUPPORTED_BITS = (4, 8)
 SCALE_INITS = ("minmax", "mse")

@@ -11,23 +11,23 @@ and the sha256 of every other file. Layout: docs/release-format.md.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from models.artifact import atomic_dir, read_manifest, sha256_file
-from models.errors import SmeltError, run_cli
-from models.hf_io import read_hf_config, to_hf_name
+from core.artifact import read_manifest
+from core.errors import ArgumentParser, SmeltError, run_cli
+from core.files import atomic_dir, read_safetensors, sha256_file
+from core.hf_names import to_hf_name
+from core.masks import MASKS_FILE
+from models.hf_io import read_hf_config, read_hf_tensors
 from prune.patterns import mask_is_nm, parse_pattern
 from qat.qparams import QPARAMS_FILE, read_qparams, spec_to_dict
 from qat.quantizers import QuantSpec, check_group, dequantize, quantize
-from train.masks import MASKS_FILE
 
 RELEASE_MANIFEST = "smelt_release.json"
 SPARSITY_FILE = "sparsity.safetensors"
@@ -78,7 +78,7 @@ def unpack_mask(bits: torch.Tensor, in_features: int) -> torch.Tensor:
 def stage_chain(manifest: dict) -> list[dict]:
     """The stages that made the artifact, oldest first.
 
-    A manifest's parent record ({"path", "stage", "settings"}, models.artifact.parent_record) is followed
+    A manifest's parent record ({"path", "stage", "settings"}, core.artifact.parent_record) is followed
     to the parent's own manifest while that still exists and still describes the same stage, so the
     chain reaches back to the source; a parent without a manifest (a downloaded teacher) ends it.
     """
@@ -100,20 +100,6 @@ def stage_chain(manifest: dict) -> list[dict]:
             break
         node = on_disk
     return chain[::-1]
-
-
-def _read_weights(art: Path) -> dict[str, torch.Tensor]:
-    index = art / "model.safetensors.index.json"
-    files = (sorted({art / f for f in json.loads(index.read_text())["weight_map"].values()})
-             if index.is_file() else [art / "model.safetensors"])
-    state = {}
-    for f in files:
-        if not f.is_file():
-            raise SmeltError(f"{art} has no {f.name}")
-        with safe_open(str(f), framework="pt") as sf:
-            names = sf.keys()  # safe_open is not iterable
-            state.update({k: sf.get_tensor(k) for k in names})
-    return state
 
 
 def integer_codes(name: str, w: torch.Tensor, scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -192,8 +178,8 @@ def build_release(artifact_dir: str | Path, out_dir: str | Path, overwrite: bool
     config = read_hf_config(art)
     if "quantization_config" in config:
         raise SmeltError(f"{art}/config.json already has a quantization_config (already a release?)")
-    state = _read_weights(art)
-    masks = load_file(str(art / MASKS_FILE)) if (art / MASKS_FILE).is_file() else {}
+    state = read_hf_tensors(art)
+    masks = read_safetensors(art / MASKS_FILE) if (art / MASKS_FILE).is_file() else {}  # HF names
 
     # Masks first: a broken mask is a clearer diagnosis than the off-grid error it may also cause.
     pattern, sparse = declared_pattern(chain), {}
@@ -257,7 +243,7 @@ def build_release(artifact_dir: str | Path, out_dir: str | Path, overwrite: bool
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="Export a quantized artifact as a compressed-tensors release.")
+    ap = ArgumentParser(prog="python -m qat.release", description="Export a quantized artifact as a compressed-tensors release.")
     ap.add_argument("--artifact", required=True, help="quantized artifact (with qparams.safetensors)")
     ap.add_argument("--out", required=True, help="release directory to write")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing release directory")

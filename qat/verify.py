@@ -11,17 +11,16 @@ weights has at most 2 non-zeros, all inside the recorded mask; and that transfor
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from models.artifact import sha256_file
+from core.errors import ArgumentParser, run_cli
+from core.files import sha256_file
 from qat.release import COMPRESSION_FORMAT, RELEASE_MANIFEST, SPARSITY_JSON, unpack_mask
 
 
@@ -226,7 +225,7 @@ def verify_release(release_dir: str | Path, load: bool = True) -> Report:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Verify a smelt release directory (see docs/release-format.md).")
+    ap = ArgumentParser(prog="python -m qat.verify", description="Verify a smelt release directory (see docs/release-format.md).")
     ap.add_argument("release")
     ap.add_argument("--no-load", action="store_true", help="skip the transformers load + forward check")
     args = ap.parse_args(argv)
@@ -238,4 +237,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main)

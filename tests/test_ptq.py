@@ -7,8 +7,8 @@ import sys
 import torch
 from conftest import ROOT
 
+from core.calibrate import CalibConfig
 from models.hf_io import load_hf
-from prune.calibrate import CalibConfig
 from prune.patterns import mask_is_nm, nm_mask
 from qat.ptq import quantize_model
 from qat.qparams import read_qparams

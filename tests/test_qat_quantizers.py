@@ -10,7 +10,7 @@ from compressed_tensors.quantization.lifecycle.forward import quantize as ct_qua
 from compressed_tensors.quantization.utils import calculate_qparams as ct_calculate_qparams
 from conftest import tiny_config
 
-from models.errors import SmeltError
+from core.errors import SmeltError
 from models.llama import build_model, linear_names
 from prune.patterns import mask_is_nm, nm_mask
 from qat.fake_quant import FakeQuantLinear, freeze, init_scales, swap_to_fake_quant

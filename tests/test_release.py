@@ -11,8 +11,9 @@ from conftest import make_byte_tokenizer, tiny_config
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from models.artifact import parent_record, write_manifest
-from models.errors import SmeltError, run_cli
+from core.artifact import parent_record, write_manifest
+from core.errors import SmeltError, run_cli
+from core.masks import MASKS_FILE, save_masks
 from models.hf_io import save_hf
 from models.llama import build_model, linear_names
 from prune.patterns import nm_mask
@@ -22,7 +23,6 @@ from qat.qparams import QPARAMS_FILE, save_qparams, spec_to_dict
 from qat.quantizers import QuantSpec, dequantize
 from qat.release import build_release, pack_mask, stage_chain, unpack_mask
 from qat.verify import verify_release
-from train.masks import MASKS_FILE, save_masks
 
 SPEC = QuantSpec(group_size=32)
 TOKENS = torch.tensor([[1, 72, 101, 108, 108, 111, 44, 32, 119, 2]])

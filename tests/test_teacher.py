@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from models.errors import SmeltError
+from core.errors import SmeltError
 from models.teacher import TEACHERS, cache_root, fetch_gguf, resolve_teacher
 
 

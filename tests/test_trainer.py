@@ -18,9 +18,10 @@ import torch
 from conftest import ROOT, make_byte_tokenizer, tiny_config
 from safetensors.torch import load_file
 
+from core.masks import load_masks, save_masks
+from train.masks import MaskSet
 from models.hf_io import load_hf, save_hf
 from models.llama import build_model
-from train.masks import MaskSet, load_masks, save_masks
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
             "--local-ranks-filter", "0", "-m", "train.run", "--module", "train.config_registry",
@@ -71,7 +72,8 @@ def torchrun(dirs: Path, name: str, *extra: str, timeout: int = 240, config: str
 
 
 def _kl_to_teacher(dirs: Path, model_dir: Path) -> float:
-    from eval.evaluate import EvalConfig, evaluate
+    from core.data import EvalConfig
+    from eval.evaluate import evaluate
 
     report = evaluate(load_hf(model_dir), dirs / "teacher", EvalConfig(seq_len=32, windows={"en": 8}),
                       tokenizer=make_byte_tokenizer(), progress=False)
@@ -186,8 +188,8 @@ def test_bad_trainer_config_is_refused(dirs, tmp_path):
     from train import cpu_shims
 
     cpu_shims.apply()
+    from core.errors import SmeltError
     from distill.losses import DistillLossConfig
-    from models.errors import SmeltError
     from train.config_registry import debug_distill
     from train.trainer import SmeltTrainer
 

@@ -33,7 +33,7 @@ def main() -> None:
     from torchtitan.observability import structured_logger as sl
     from torchtitan.tools.logging import init_logger
 
-    from models.errors import SmeltError
+    from core.errors import SmeltError
     from train.trainer import TrainingStopped
 
     trainer = None

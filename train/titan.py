@@ -17,11 +17,11 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.protocols.model import BaseModel
 from torchtitan.tools.logging import logger
 
+from core.data import TokenStream
+from core.errors import SmeltError
 from distill.losses import DistillLoss, DistillLossConfig
-from models.errors import SmeltError
 from models.hf_io import config_from_hf, copy_state_into, load_tokenizer, read_hf_config, read_hf_state
 from models.llama import DEFAULT_SKIP, LlamaConfig, Transformer
-from train.data import TokenStream
 
 
 class SmeltModel(BaseModel):

@@ -24,12 +24,14 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from models.artifact import atomic_dir, parent_record, write_manifest
-from models.dtensor import full, local
-from models.errors import SmeltError
+from core.artifact import parent_record, write_manifest
+from core.dtensor import full, local
+from core.errors import SmeltError
+from core.files import atomic_dir
+from core.masks import load_masks, save_masks
 from models.hf_io import config_from_hf, load_hf, load_tokenizer, read_hf_config, save_hf
 from models.llama import Transformer
-from train.masks import MaskSet, load_masks, save_masks
+from train.masks import MaskSet
 from train.titan import fsdp_mesh, shard_model
 
 

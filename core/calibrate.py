@@ -17,7 +17,6 @@ XᵀX of real activations spans many orders of magnitude, so the later Cholesky 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import time
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
@@ -26,8 +25,9 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from models.errors import SmeltError
-from train.data import calibration_windows, corpus_record, split_corpora
+from core.data import calibration_windows, corpus_record, split_corpora
+from core.device import release_memory
+from core.errors import SmeltError
 
 
 @dataclass
@@ -142,15 +142,6 @@ def _selector(targets: Callable[[str], bool] | Collection[str] | None) -> Callab
         return targets
     chosen = set(targets)
     return chosen.__contains__
-
-
-def release_memory() -> None:
-    """Hand freed heap pages back to the OS. glibc keeps the many mid-sized buffers a calibration frees
-    (hundreds of MB on a 135M model), which would otherwise add to a later stage's peak RSS."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
 
 
 OnBlock = Callable[[str, nn.Module, dict[str, LinearStats]], None]

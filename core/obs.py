@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from models.errors import SmeltError
+from core.errors import SmeltError
 
 _RETRIES = 4  # with percdamp > 0: try damp, 10x, 100x, 1000x before giving up
 _TIMERS: list[dict] = []  # active `timed_inverses` accumulators

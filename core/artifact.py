@@ -1,0 +1,56 @@
+"""The artifact every stage writes: an HF directory (core.files.atomic_dir) plus `manifest.json`, which
+records what made it, from what (`parent`), with which settings, and the sha256 of every file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+from core.errors import SmeltError
+from core.files import sha256_file
+
+
+def write_manifest(out_dir: str | Path, stage: str, settings: dict, metrics: dict | None = None,
+                   parent: dict | None = None) -> dict:
+    """manifest.json: what made this artifact, from what, with which settings, and file hashes."""
+    out_dir = Path(out_dir)
+    files = {p.name: sha256_file(p) for p in sorted(out_dir.iterdir())
+             if p.is_file() and p.name != "manifest.json"}
+    manifest = {
+        "format": "smelt-artifact/1",
+        "stage": stage,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "settings": settings,
+        "metrics": metrics or {},
+        "parent": parent,
+        "files": files,
+    }
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    return manifest
+
+
+def read_manifest(art_dir: str | Path) -> dict:
+    p = Path(art_dir) / "manifest.json"
+    if not p.is_file():
+        raise SmeltError(f"{art_dir} has no manifest.json (not a smelt artifact)")
+    return json.loads(p.read_text())
+
+
+def parent_record(src_dir: str | Path) -> dict | None:
+    """How a manifest points at the artifact it was made from: path, stage and settings."""
+    src_dir = Path(src_dir)
+    if not (src_dir / "manifest.json").is_file():
+        return {"path": str(src_dir)}
+    m = read_manifest(src_dir)
+    return {"path": str(src_dir), "stage": m["stage"], "settings": m["settings"]}
+
+
+def weights_fingerprint(model_dir: str | Path) -> str:
+    """Hash of config.json and the safetensors files of an HF directory (cache keys, parent records)."""
+    model_dir = Path(model_dir)
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        h.update(sha256_file(f).encode())
+    return h.hexdigest()

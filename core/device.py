@@ -1,0 +1,49 @@
+"""Where work runs and what it runs on: device selection, process memory, the machine record that
+every committed result carries (a number moves with the CPU, thread count and torch build)."""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import resource
+
+import torch
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def peak_rss_gib() -> float:
+    """Peak resident memory of this process so far (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def release_memory() -> None:
+    """Hand freed heap pages back to the OS. glibc keeps the many mid-sized buffers a calibration frees
+    (hundreds of MB on a 135M model), which would otherwise add to a later stage's peak RSS."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_record() -> dict:
+    """CPU model, cores and threads, torch build and accelerator: stored next to every measured number."""
+    rec = {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+           "torch": torch.__version__, "torch_cuda": torch.version.cuda, "python": platform.python_version(),
+           "platform": platform.platform()}
+    if torch.cuda.is_available():
+        rec["gpu"] = torch.cuda.get_device_name(0)
+    return rec

@@ -1,0 +1,123 @@
+"""Files on disk: hashes, atomic writes (temp path, then rename) and checked safetensors reads.
+
+Every writer in the project goes through here, so an interrupted stage never leaves a half-written file
+or directory where a finished one is expected, and every reader turns a truncated or corrupt file, or a
+non-finite weight, into one line that names the file and the tensor. Only safetensors are read.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from core.errors import SmeltError
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _tmp_sibling(path: Path, tag: str = "tmp") -> Path:
+    return path.parent / f".{path.name}.{tag}-{os.getpid()}"
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path):
+    """Yield a temporary sibling path to write one file to; on normal exit it replaces `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_sibling(path)
+    try:
+        yield tmp
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path, overwrite: bool = False):
+    """Yield a temporary directory; on normal exit it becomes `path` (renamed). An existing directory is
+    replaced only when `overwrite`, and only after the new one is complete."""
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise SmeltError(f"output directory {path} already exists (pass --overwrite to replace it)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_sibling(path)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if path.exists():
+        old = _tmp_sibling(path, "old")
+        os.rename(path, old)
+    os.rename(tmp, path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path,
+                            metadata: dict[str, str] | None = None) -> None:
+    with atomic_path(path) as tmp:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+
+
+def _unreadable(path: Path, e: Exception) -> SmeltError:
+    return SmeltError(f"{path} is not a readable safetensors file (truncated or corrupt: {str(e).strip()})")
+
+
+def safetensors_metadata(path: str | Path) -> dict[str, str]:
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return dict(f.metadata() or {})
+    except (SafetensorError, OSError) as e:
+        raise _unreadable(path, e) from None
+
+
+def check_finite(name: str, t: torch.Tensor, where: str | Path) -> None:
+    """Refuse a float tensor holding NaN/inf, naming it (a NaN weight would evaluate as a table of nan)."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise SmeltError(f"{where}: tensor {name} has {bad} non-finite value(s) (NaN/inf); refusing to load it")
+
+
+def iter_safetensors(path: str | Path, names: Iterable[str] | None = None, finite: bool = True):
+    """Yield (name, tensor) from one safetensors file (all tensors, or `names`), each checked finite."""
+    path = Path(path)
+    if not path.is_file():
+        raise SmeltError(f"{path} does not exist")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for name in list(f.keys()) if names is None else list(names):
+                t = f.get_tensor(name)
+                if finite:
+                    check_finite(name, t, path)
+                yield name, t
+    except (SafetensorError, OSError) as e:
+        raise _unreadable(path, e) from None
+
+
+def read_safetensors(path: str | Path, finite: bool = True) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file; SmeltError naming the file if it is truncated or corrupt."""
+    return dict(iter_safetensors(path, finite=finite))

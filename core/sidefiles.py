@@ -1,0 +1,39 @@
+"""Side files of an artifact: safetensors next to model.safetensors keyed by HF module name.
+
+masks.safetensors (`<module>`: bool keep-mask) and qparams.safetensors (`<module>.weight_scale`,
+`<module>.weight_zero_point`) are both written and read here: layers renumbered like model.safetensors,
+written atomically, read with the truncation/NaN checks of core.files. Keys are split back into
+(module, suffix): a last part starting with `weight_` is a suffix (compressed-tensors' names).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from core.files import atomic_save_safetensors, read_safetensors, safetensors_metadata
+from core.hf_names import from_hf_name, to_hf_name
+
+
+def _split(key: str) -> tuple[str, str]:
+    head, _, last = key.rpartition(".")
+    return (head, last) if head and last.startswith("weight_") else (key, "")
+
+
+def save_side_file(path: str | Path, tensors: dict[tuple[str, str], torch.Tensor],
+                   layer_index: dict[str, int] | None, metadata: dict[str, str]) -> None:
+    """tensors: {(our module name, suffix or ""): tensor}; saved under HF names, layers renumbered."""
+    out = {}
+    for (module, suffix), t in tensors.items():
+        key = to_hf_name(module, layer_index)
+        out[f"{key}.{suffix}" if suffix else key] = t
+    atomic_save_safetensors(out, path, metadata=metadata)
+
+
+def load_side_file(path: str | Path) -> tuple[dict[tuple[str, str], torch.Tensor], dict[str, str]]:
+    """({(our module name, suffix): tensor}, metadata) of a side file."""
+    tensors = {}
+    for key, t in read_safetensors(path).items():
+        module, suffix = _split(key)
+        tensors[(from_hf_name(module), suffix)] = t
+    return tensors, safetensors_metadata(path)
