@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import distribute_tensor
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -17,8 +18,6 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def like(src: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """A full tensor laid out like `ref`: on its device, and sharded the same way if ref is a DTensor."""
     if hasattr(ref, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
-
         return distribute_tensor(src.to(ref.device), ref.device_mesh, ref.placements)
     return src.to(ref.device)
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
 
 from core.errors import SmeltError
 from models.llama import LlamaConfig, Transformer
@@ -65,9 +67,6 @@ def gguf_config(reader) -> LlamaConfig:
 
 
 def _dequantize(t) -> torch.Tensor:
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
     shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists dims fastest-first
     if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         arr = np.asarray(t.data, dtype=np.float32)
@@ -78,8 +77,6 @@ def _dequantize(t) -> torch.Tensor:
 
 def import_gguf(path: str | Path) -> Transformer:
     """Read a Llama GGUF into an fp32 Transformer (weights exactly the dequantized GGUF values)."""
-    from gguf import GGUFReader
-
     path = Path(path)
     if not path.is_file():
         raise SmeltError(f"GGUF file {path} does not exist")
@@ -128,7 +125,7 @@ def import_gguf(path: str | Path) -> Transformer:
 
 def gguf_tokenizer(path: str | Path):
     """The GGUF's own tokenizer, rebuilt by transformers (BPE vocab, merges, special tokens)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # slow to import (seconds); only tokenizer loading needs it
 
     path = Path(path)
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

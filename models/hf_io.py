@@ -180,7 +180,7 @@ def load_hf(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: s
 
 
 def load_tokenizer(model_dir: str | Path):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # slow to import (seconds); only tokenizer loading needs it
 
     model_dir = Path(model_dir)
     if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():

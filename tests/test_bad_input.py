@@ -1,0 +1,99 @@
+"""Bad input a user may hand any stage: one line naming the problem, exit 2, nothing written."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import ROOT
+from core.errors import SmeltError
+from core.files import read_safetensors
+from models.hf_io import load_hf
+
+
+def _run(*args: str):
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
+                          env=os.environ, check=False, timeout=180)
+
+
+def _one_line_error(proc, *words: str) -> None:
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error:") and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    for w in words:
+        assert w in proc.stderr, proc.stderr
+
+
+@pytest.fixture
+def truncated_dir(tiny_model_dir):
+    f = tiny_model_dir / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    return tiny_model_dir
+
+
+@pytest.fixture
+def nan_dir(tiny_model_dir):
+    f = tiny_model_dir / "model.safetensors"
+    state = load_file(str(f))
+    state["model.layers.1.mlp.down_proj.weight"][3, 5] = float("nan")
+    save_file(state, str(f), metadata={"format": "pt"})
+    return tiny_model_dir
+
+
+def test_a_truncated_or_non_finite_checkpoint_is_refused_by_name(truncated_dir, tmp_path):
+    with pytest.raises(SmeltError, match="model.safetensors is not a readable safetensors file"):
+        load_hf(truncated_dir)
+    with pytest.raises(SmeltError, match="not a readable"):
+        read_safetensors(truncated_dir / "model.safetensors")
+
+
+def test_nan_weights_are_refused_naming_the_tensor(nan_dir):
+    with pytest.raises(SmeltError, match=r"model.layers.1.mlp.down_proj.weight has 1 non-finite"):
+        load_hf(nan_dir)
+
+
+def test_evaluate_cli_on_a_truncated_model_is_one_line(truncated_dir, tmp_path):
+    out = tmp_path / "eval.json"
+    proc = _run("eval.evaluate", "--model", str(truncated_dir), "--teacher", str(truncated_dir),
+                "--windows", "en=1", "--seq-len", "32", "--out", str(out))
+    _one_line_error(proc, "model.safetensors", "truncated or corrupt")
+    assert not out.exists()
+
+
+def test_prune_cli_refuses_a_nan_teacher_and_writes_nothing(nan_dir, tmp_path):
+    out = tmp_path / "pruned"
+    proc = _run("prune.run", "--teacher", str(nan_dir), "--method", "magnitude", "--sparsity", "0.5",
+                "--out", str(out))
+    _one_line_error(proc, "down_proj.weight", "non-finite")
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".pruned")]
+
+
+def test_a_bad_flag_is_one_line_too(tiny_model_dir, tmp_path):
+    _one_line_error(_run("eval.evaluate", "--no-such-flag"), "unrecognized arguments: --no-such-flag")
+    _one_line_error(_run("qat.release", "--artifact", str(tiny_model_dir)), "--out")
+
+
+def test_traceback_on_request(truncated_dir):
+    env = {**os.environ, "SMELT_TRACEBACK": "1"}
+    proc = subprocess.run([sys.executable, "-m", "eval.evaluate", "--model", str(truncated_dir), "--teacher",
+                           str(truncated_dir), "--windows", "en=1", "--seq-len", "32"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, check=False, timeout=180)
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_atomic_save_leaves_no_partial_file(tmp_path, monkeypatch):
+    import core.files as files
+
+    target = tmp_path / "x.safetensors"
+    target.write_bytes(b"old")
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(files, "save_file", boom)
+    with pytest.raises(OSError):
+        files.atomic_save_safetensors({"a": torch.zeros(2)}, target)
+    assert target.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["x.safetensors"]
