@@ -1,4 +1,5 @@
-"""Inverse-Hessian factors for OBS-style pruning (SparseGPT, exact OBS).
+"""Inverse-Hessian factors for OBS-style pruning and quantisation, and the column sweep SparseGPT and
+GPTQ share.
 
 For a linear layer the layer-wise loss ||X W^T - X W_hat^T||^2 has Hessian H = X^T X ([in, in], the
 caller accumulates it over calibration tokens). Pruning needs H^-1; we factor in float64 because
@@ -9,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -117,3 +119,42 @@ def inverse_hessian(
     with _clock():
         L, dead = _factor(H, percdamp)
         return torch.cholesky_inverse(L).to(dtype), dead
+
+
+def obs_column_sweep(
+    W: torch.Tensor,
+    U: torch.Tensor,
+    blocksize: int,
+    column_value: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor],
+) -> torch.Tensor:
+    """Fix W's columns left to right to the values `column_value` picks, compensating each with OBS.
+
+    With U the upper Cholesky factor of H^-1 (dampened_inverse_cholesky), fixing column i to q_i after
+    columns 0..i-1 were fixed is best compensated by subtracting err_i * U[i, i:] from columns i.., with
+    err_i = (w_i - q_i) / U[i, i]. Columns are swept in blocks of `blocksize`: updates inside the block
+    are applied eagerly, those to later columns are batched into one matmul per block (the "lazy" update).
+
+    column_value(W1, d1, j, col) returns column col's new value q [out]: W1 is the current block (the
+    columns before j already fixed, the rest already updated), d1 = diag of the block's U, j the
+    block-local and col the global column index. It may read W1 (e.g. to choose a mask or qparams from
+    the updated weights at a block or group start) but must not write it. Returns a new tensor with
+    every column set exactly to its q; W and U are not modified.
+    """
+    Wk = W.clone()
+    cols = Wk.shape[1]
+    for i1 in range(0, cols, blocksize):
+        i2 = min(i1 + blocksize, cols)
+        W1 = Wk[:, i1:i2].clone()
+        U1 = U[i1:i2, i1:i2]
+        d1 = U1.diagonal()
+        Err1 = torch.zeros_like(W1)
+        for j in range(i2 - i1):
+            w = W1[:, j]
+            q = column_value(W1, d1, j, i1 + j)
+            err = (w - q) / d1[j]
+            W1[:, j + 1:] -= err[:, None] * U1[j, j + 1:][None, :]
+            W1[:, j] = q  # set, not updated, so the value is exactly q (e.g. a pruned 0, a grid point)
+            Err1[:, j] = err
+        Wk[:, i1:i2] = W1
+        Wk[:, i2:] -= Err1 @ U[i1:i2, i2:]  # lazy batched update of every later column
+    return Wk

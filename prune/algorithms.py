@@ -3,8 +3,8 @@
 Conventions shared by every function here:
 - W is [out, in] like nn.Linear.weight; inputs are never modified in place.
 - keep_mask is bool [out, in], True = kept; the pruned weights are exactly 0 where it is False.
-- n = m = 0 means unstructured at `sparsity`; n, m > 0 means N:M (keep n of every m consecutive input
-  features in each row, the 2:4 pattern sparse tensor cores run), and `sparsity` is then unused.
+- pattern=None means unstructured at `sparsity`; an NMPattern (core.patterns) means N:M (keep n of
+  every m consecutive input features in each row, e.g. 2:4), and `sparsity` is then unused.
 - Scores and updates run in fp32 (exact OBS in fp64); the result comes back in W's dtype.
 - H = X^T X [in, in] and act_norm = ||X_j||_2 [in] summarise the layer's calibration inputs X [tokens, in].
 """
@@ -13,21 +13,20 @@ from __future__ import annotations
 import torch
 
 from core.errors import SmeltError
-from core.obs import check_hessian, dampened_inverse_cholesky, inverse_hessian
-from prune.patterns import check_nm, check_sparsity, n_pruned, nm_mask, topk_mask_unstructured
+from core.obs import check_hessian, dampened_inverse_cholesky, inverse_hessian, obs_column_sweep
+from core.patterns import NMPattern
+from prune.patterns import check_sparsity, n_pruned, topk_mask_unstructured
 
 _OBS_CHUNK_BYTES = 256 << 20  # exact OBS keeps one [in, in] inverse per row; bound it by row chunks
 
 
-def _check_weight(W: torch.Tensor, sparsity: float, n: int, m: int) -> bool:
-    """Validate the shared arguments; returns True for N:M, False for unstructured."""
+def _check_weight(W: torch.Tensor, sparsity: float, pattern: NMPattern | None) -> None:
+    """Validate the shared arguments (the pattern itself was validated when it was built)."""
     if W.ndim != 2 or not W.is_floating_point():
         raise SmeltError(f"weight must be a 2-D float tensor [out, in], got shape {tuple(W.shape)} {W.dtype}")
     check_sparsity(sparsity)
-    if n or m:
-        check_nm(n, m, W.shape[1])
-        return True
-    return False
+    if pattern is not None:
+        pattern.check_fits(W.shape[1])
 
 
 def _work_dtype(W: torch.Tensor) -> torch.dtype:
@@ -39,24 +38,24 @@ def _unchanged(W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def magnitude_prune(
-    W: torch.Tensor, sparsity: float = 0.5, n: int = 0, m: int = 0
+    W: torch.Tensor, sparsity: float = 0.5, pattern: NMPattern | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prune the smallest |w|. Unstructured is layer-wise (one ranking over the whole matrix, so rows may
     end with different sparsity), the classic baseline; exactly round(sparsity * numel) weights go."""
     W = W.detach()
-    nm = _check_weight(W, sparsity, n, m)
+    _check_weight(W, sparsity, pattern)
     score = W.to(_work_dtype(W)).abs()
-    keep = nm_mask(score, n, m) if nm else topk_mask_unstructured(score, sparsity, per_row=False)
+    keep = pattern.keep_top(score) if pattern else topk_mask_unstructured(score, sparsity, per_row=False)
     return W.masked_fill(~keep, 0), keep
 
 
 def wanda_prune(
-    W: torch.Tensor, act_norm: torch.Tensor | None, sparsity: float = 0.5, n: int = 0, m: int = 0
+    W: torch.Tensor, act_norm: torch.Tensor | None, sparsity: float = 0.5, pattern: NMPattern | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Wanda (Sun et al. 2023): score |W_ij| * ||X_j||_2, no weight update. Unstructured compares within
     each output row (exactly round(sparsity * in) per row), which the paper found better than layer-wise."""
     W = W.detach()
-    nm = _check_weight(W, sparsity, n, m)
+    _check_weight(W, sparsity, pattern)
     if act_norm is None:
         raise SmeltError("no calibration data: wanda needs act_norm, the per-input-feature L2 norm of X")
     if act_norm.shape != (W.shape[1],):
@@ -67,7 +66,7 @@ def wanda_prune(
     if not bool(norm.any()):
         raise SmeltError("no calibration data: act_norm is all zeros")
     score = W.to(norm.dtype).abs() * norm
-    keep = nm_mask(score, n, m) if nm else topk_mask_unstructured(score, sparsity, per_row=True)
+    keep = pattern.keep_top(score) if pattern else topk_mask_unstructured(score, sparsity, per_row=True)
     return W.masked_fill(~keep, 0), keep
 
 
@@ -75,18 +74,16 @@ def sparsegpt_prune(
     W: torch.Tensor,
     H: torch.Tensor,
     sparsity: float = 0.5,
-    n: int = 0,
-    m: int = 0,
+    pattern: NMPattern | None = None,
     blocksize: int = 128,
     percdamp: float = 0.01,
     per_row: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SparseGPT (Frantar & Alistarh 2023): prune columns left to right, compensating with OBS updates.
 
-    With U the upper Cholesky factor of H^-1, removing column i (after 0..i-1 were fixed) is best
-    compensated by subtracting err_i * U[i, i:] from columns i.. with err_i = (w_i - q_i) / U[i, i], and
-    its saliency is w^2 / U[i, i]^2. Columns are swept in blocks: updates inside the block are applied
-    eagerly, those to later columns are batched into one matmul per block (the "lazy" update).
+    The sweep is core.obs.obs_column_sweep (shared with GPTQ): each column is set to w * keep, its error
+    propagated to the later columns through U, the upper Cholesky factor of H^-1. Removing weight i
+    after columns 0..i-1 were fixed has saliency w^2 / U[i, i]^2.
 
     Mask selection, made on the already-updated weights:
     - unstructured: at each block start, prune the round(sparsity * out * block_width) lowest-saliency
@@ -97,14 +94,13 @@ def sparsegpt_prune(
     nothing. sparsity == 0 without N:M returns W unchanged.
     """
     W = W.detach()
-    nm = _check_weight(W, sparsity, n, m)
-    cols = W.shape[1]
-    check_hessian(H, cols)
+    _check_weight(W, sparsity, pattern)
+    check_hessian(H, W.shape[1])
     if not isinstance(blocksize, int) or blocksize <= 0:
         raise SmeltError(f"blocksize={blocksize} must be a positive integer")
-    if nm and blocksize % m:
-        raise SmeltError(f"blocksize={blocksize} must be a multiple of M={m} for N:M={n}:{m}")
-    if not nm and sparsity == 0:
+    if pattern and blocksize % pattern.m:  # a group must not straddle two blocks
+        raise SmeltError(f"blocksize={blocksize} must be a multiple of M={pattern.m} for N:M={pattern}")
+    if not pattern and sparsity == 0:
         return _unchanged(W)
 
     U, dead = dampened_inverse_cholesky(H.to(W.device), percdamp)
@@ -113,36 +109,24 @@ def sparsegpt_prune(
     Wk[:, dead] = 0
     keep = torch.ones(W.shape, dtype=torch.bool, device=W.device)
 
-    for i1 in range(0, cols, blocksize):
-        i2 = min(i1 + blocksize, cols)
-        W1 = Wk[:, i1:i2].clone()
-        U1 = U[i1:i2, i1:i2]
-        d1 = U1.diagonal()
-        keep1 = keep[:, i1:i2]  # a view: filling it fills `keep`
-        Err1 = torch.zeros_like(W1)
-        if not nm:
-            keep1.copy_(topk_mask_unstructured(W1 ** 2 / d1 ** 2, sparsity, per_row=per_row))
-        for j in range(i2 - i1):
-            if nm and j % m == 0:  # i1 is a multiple of m, so block-local j % m == global column % m
-                keep1[:, j:j + m] = nm_mask(W1[:, j:j + m] ** 2 / d1[j:j + m] ** 2, n, m)
-            w = W1[:, j]
-            q = w * keep1[:, j]
-            err = (w - q) / d1[j]
-            W1[:, j + 1:] -= err[:, None] * U1[j, j + 1:][None, :]
-            W1[:, j] = q  # set, not updated, so pruned entries are exactly 0
-            Err1[:, j] = err
-        Wk[:, i1:i2] = W1
-        Wk[:, i2:] -= Err1 @ U[i1:i2, i2:]  # lazy batched update of every later column
+    def pruned_column(W1: torch.Tensor, d1: torch.Tensor, j: int, col: int) -> torch.Tensor:
+        # masks are chosen on the already-updated weights, when the sweep reaches a block or a group
+        if pattern is None and j == 0:
+            block = topk_mask_unstructured(W1 ** 2 / d1 ** 2, sparsity, per_row=per_row)
+            keep[:, col:col + W1.shape[1]] = block
+        elif pattern is not None and col % pattern.m == 0:
+            m = pattern.m
+            keep[:, col:col + m] = pattern.keep_top(W1[:, j:j + m] ** 2 / d1[j:j + m] ** 2)
+        return W1[:, j] * keep[:, col]  # pruned entries become exactly 0
 
-    return Wk.to(W.dtype), keep
+    return obs_column_sweep(Wk, U, blocksize, pruned_column).to(W.dtype), keep
 
 
 def obs_prune(
     W: torch.Tensor,
     H: torch.Tensor,
     sparsity: float = 0.5,
-    n: int = 0,
-    m: int = 0,
+    pattern: NMPattern | None = None,
     percdamp: float = 0.01,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact greedy Optimal Brain Surgeon, one weight at a time per row: the slow reference.
@@ -155,28 +139,28 @@ def obs_prune(
     inverses, fp64), chunked to bound memory; cost is O(out * in^3), so keep it to small layers.
     """
     W = W.detach()
-    nm = _check_weight(W, sparsity, n, m)
+    _check_weight(W, sparsity, pattern)
     rows, cols = W.shape
     check_hessian(H, cols)
-    if not nm and sparsity == 0:
+    if not pattern and sparsity == 0:
         return _unchanged(W)
 
     Hinv, dead = inverse_hessian(H.to(W.device), percdamp, dtype=torch.float64)
     Wk = W.to(torch.float64, copy=True)
     Wk[:, dead] = 0
-    steps = (m - n) * (cols // m) if nm else n_pruned(cols, sparsity)
+    steps = (pattern.m - pattern.n) * (cols // pattern.m) if pattern else n_pruned(cols, sparsity)
     pruned = torch.zeros(W.shape, dtype=torch.bool, device=W.device)
     chunk = max(1, _OBS_CHUNK_BYTES // (cols * cols * 8))
     for r1 in range(0, rows, chunk):
         r2 = min(r1 + chunk, rows)
-        Wk[r1:r2], pruned[r1:r2] = _obs_rows(Wk[r1:r2], Hinv, steps, n, m if nm else 0)
+        Wk[r1:r2], pruned[r1:r2] = _obs_rows(Wk[r1:r2], Hinv, steps, pattern)
     return Wk.to(W.dtype), ~pruned
 
 
 def _obs_rows(
-    Wr: torch.Tensor, Hinv: torch.Tensor, steps: int, n: int, m: int
+    Wr: torch.Tensor, Hinv: torch.Tensor, steps: int, pattern: NMPattern | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy OBS on a chunk of rows; m == 0 means unstructured. Returns (weights, pruned-mask)."""
+    """Greedy OBS on a chunk of rows; pattern None means unstructured. Returns (weights, pruned-mask)."""
     rows, cols = Wr.shape
     Wr = Wr.clone()
     Hr = Hinv.expand(rows, cols, cols).clone()  # every row's inverse diverges after its first downdate
@@ -184,9 +168,9 @@ def _obs_rows(
     ar = torch.arange(rows, device=Wr.device)
     for _ in range(steps):
         blocked = pruned.clone()
-        if m:  # a group already down to n weights offers no more candidates
-            full = (~pruned).reshape(rows, cols // m, m).sum(-1) <= n
-            blocked |= full.repeat_interleave(m, dim=1)
+        if pattern:  # a group already down to n weights offers no more candidates
+            full = (~pruned).reshape(rows, cols // pattern.m, pattern.m).sum(-1) <= pattern.n
+            blocked |= full.repeat_interleave(pattern.m, dim=1)
         # removed weights have Hinv_qq == 0 (0/0 = nan); masked_fill overwrites those entries
         saliency = (Wr ** 2 / Hr.diagonal(dim1=1, dim2=2)).masked_fill(blocked, float("inf"))
         q = saliency.argmin(dim=1)

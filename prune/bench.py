@@ -14,9 +14,9 @@ import time
 from core.calibrate import CalibConfig
 from core.device import peak_rss_gib
 from core.errors import ArgumentParser, run_cli
+from core.patterns import NMPattern
 from models.hf_io import load_hf, load_tokenizer
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
-from prune.patterns import parse_pattern
 from prune.run import prune_model
 
 
@@ -29,14 +29,14 @@ def main() -> None:
     ap.add_argument("--calib-windows", type=int, default=128)
     ap.add_argument("--calib-seq-len", type=int, default=512)
     args = ap.parse_args()
-    n, m = parse_pattern(args.pattern) if args.pattern else (0, 0)
+    pattern = NMPattern.parse(args.pattern) if args.pattern else None
     teacher_dir = resolve_teacher(args.teacher)
     t0 = time.perf_counter()
     model = load_hf(teacher_dir)
     cfg = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len)
     windows = cfg.windows(load_tokenizer(teacher_dir))
     t_load = time.perf_counter() - t0
-    _, report = prune_model(model, windows, args.method, args.sparsity, n, m, cfg=cfg)
+    _, report = prune_model(model, windows, args.method, args.sparsity, pattern, cfg=cfg)
     wall = time.perf_counter() - t0
     split = report["timings_s"]
     print(f"{args.method} {args.pattern or args.sparsity} on {teacher_dir.name}, "

@@ -27,11 +27,12 @@ from core.evaluation import evaluate_dir
 from core.files import atomic_dir
 from core.masks import save_masks
 from core.obs import timed_inverses
+from core.patterns import NMPattern
 from models.hf_io import load_hf, load_tokenizer, save_hf
 from models.llama import DEFAULT_SKIP, linear_names
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 from prune import algorithms
-from prune.patterns import check_nm, check_sparsity, parse_pattern
+from prune.patterns import check_sparsity
 
 METHODS = ("magnitude", "wanda", "sparsegpt", "obs")
 CALIBRATED = ("wanda", "sparsegpt", "obs")
@@ -56,18 +57,19 @@ def relative_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> flo
     return float(((D @ H) * D).sum()) / den if den > 0 else 0.0
 
 
-def _prune_weight(method: str, W: torch.Tensor, stats: LinearStats | None, sparsity: float, n: int,
-                  m: int, blocksize: int, percdamp: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _prune_weight(method: str, W: torch.Tensor, stats: LinearStats | None, sparsity: float,
+                  pattern: NMPattern | None, blocksize: int, percdamp: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     if method == "magnitude":
-        return algorithms.magnitude_prune(W, sparsity, n, m)
+        return algorithms.magnitude_prune(W, sparsity, pattern)
     if method == "wanda":
-        return algorithms.wanda_prune(W, stats.act_norm, sparsity, n, m)
+        return algorithms.wanda_prune(W, stats.act_norm, sparsity, pattern)
     if method == "sparsegpt":
-        return algorithms.sparsegpt_prune(W, stats.H, sparsity, n, m, blocksize, percdamp)
-    return algorithms.obs_prune(W, stats.H, sparsity, n, m, percdamp)
+        return algorithms.sparsegpt_prune(W, stats.H, sparsity, pattern, blocksize, percdamp)
+    return algorithms.obs_prune(W, stats.H, sparsity, pattern, percdamp)
 
 
-def check_settings(model: nn.Module, method: str, sparsity: float, n: int = 0, m: int = 0,
+def check_settings(model: nn.Module, method: str, sparsity: float, pattern: NMPattern | None = None,
                    skip: tuple[str, ...] = DEFAULT_SKIP, blocksize: int = 128, percdamp: float = 0.01
                    ) -> list[str]:
     """Validate everything that does not need data; returns the target linears. Fails before any
@@ -77,12 +79,10 @@ def check_settings(model: nn.Module, method: str, sparsity: float, n: int = 0, m
         raise SmeltError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
     check_sparsity(sparsity)
     modules = dict(model.named_modules())
-    if n or m:
+    if pattern is not None:
         for name in targets:
-            try:
-                check_nm(n, m, modules[name].in_features)
-            except SmeltError as e:
-                raise SmeltError(f"{name}: {e}") from None
+            pattern.check_fits(modules[name].in_features, name)
+    m = pattern.m if pattern else 0
     if method == "sparsegpt" and (not isinstance(blocksize, int) or blocksize <= 0 or (m and blocksize % m)):
         raise SmeltError(f"blocksize={blocksize} must be a positive integer" + (f" multiple of M={m}" if m else ""))
     if not (math.isfinite(percdamp) and percdamp >= 0):
@@ -92,21 +92,21 @@ def check_settings(model: nn.Module, method: str, sparsity: float, n: int = 0, m
 
 @torch.no_grad()
 def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, sparsity: float = 0.5,
-                n: int = 0, m: int = 0, skip: tuple[str, ...] = DEFAULT_SKIP, blocksize: int = 128,
+                pattern: NMPattern | None = None, skip: tuple[str, ...] = DEFAULT_SKIP, blocksize: int = 128,
                 percdamp: float = 0.01, cfg: CalibConfig | None = None, progress: bool = True
                 ) -> tuple[dict[str, torch.Tensor], dict]:
     """Prune the model's block linears in place; returns ({module name: bool keep-mask}, report).
 
-    n, m > 0 selects N:M (sparsity is then 1 - n/m); otherwise unstructured at `sparsity`. windows
+    An N:M `pattern` sets the sparsity (1 - n/m); without one it is unstructured at `sparsity`. windows
     [n_windows, seq_len] feed the calibrated methods (magnitude ignores them and runs no forward pass).
     report: per_module {name: {sparsity, rel_recon_error (calibrated methods)}}, overall sparsity of
     the pruned linears, and timings_s (forward passes, statistics, Hessian inverses, pruning updates).
     """
     t_start = time.perf_counter()
     cfg = cfg or CalibConfig()
-    if n or m:
-        sparsity = 1.0 - n / m if 0 < n < m else sparsity
-    targets = check_settings(model, method, sparsity, n, m, skip, blocksize, percdamp)
+    if pattern is not None:
+        sparsity = pattern.sparsity
+    targets = check_settings(model, method, sparsity, pattern, skip, blocksize, percdamp)
     modules = dict(model.named_modules())
     masks: dict[str, torch.Tensor] = {}
     per_module: dict[str, dict] = {}
@@ -116,7 +116,8 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
         weight = modules[name].weight
         t0 = time.perf_counter()
         try:
-            W_hat, keep = _prune_weight(method, weight.detach(), stats, sparsity, n, m, blocksize, percdamp)
+            W_hat, keep = _prune_weight(method, weight.detach(), stats, sparsity, pattern, blocksize,
+                                        percdamp)
         except SmeltError as e:
             raise SmeltError(f"{name}: {e}") from None
         t1 = time.perf_counter()
@@ -146,7 +147,8 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
     seconds["total_s"] = time.perf_counter() - t_start
     pruned = sum(int((~k).sum()) for k in masks.values())
     total = sum(k.numel() for k in masks.values())
-    report = {"method": method, "pattern": f"{n}:{m}" if n else None, "sparsity": pruned / total,
+    # the pattern goes into manifests as its "2:4" string, as existing artifacts have it
+    report = {"method": method, "pattern": str(pattern) if pattern else None, "sparsity": pruned / total,
               "pruned_params": pruned, "total_params": total, "per_module": per_module,
               "timings_s": {k: round(v, 3) for k, v in seconds.items()}}
     return masks, report
@@ -196,8 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
     if args.method not in METHODS:
         raise SmeltError(f"unknown method {args.method!r} (choose from {', '.join(METHODS)})")
-    n, m = parse_pattern(args.pattern) if args.pattern is not None else (0, 0)
-    sparsity = 1.0 - n / m if n else args.sparsity
+    pattern = NMPattern.parse(args.pattern) if args.pattern is not None else None
+    sparsity = pattern.sparsity if pattern else args.sparsity
     check_sparsity(sparsity)
     cfg = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, seed=args.seed,
                       batch_size=args.calib_batch_size, sequential=not args.no_sequential,
@@ -218,16 +220,16 @@ def main(argv: list[str] | None = None) -> None:
         raise SmeltError(f"--out {out} is the teacher directory itself")
     tokenizer = load_tokenizer(teacher_dir)
     model = load_hf(teacher_dir, device=str(default_device()))
-    check_settings(model, args.method, sparsity, n, m, skip, args.blocksize, args.percdamp)
+    check_settings(model, args.method, sparsity, pattern, skip, args.blocksize, args.percdamp)
     calibrated = args.method in CALIBRATED
     windows = cfg.windows(tokenizer) if calibrated else None
-    masks, report = prune_model(model, windows, args.method, sparsity, n, m, skip, args.blocksize,
+    masks, report = prune_model(model, windows, args.method, sparsity, pattern, skip, args.blocksize,
                                 args.percdamp, cfg)
     del windows
     print(_summary(args.method, report), file=sys.stderr)
     metrics = {k: report[k] for k in ("sparsity", "pruned_params", "total_params", "per_module", "timings_s")}
     settings = {
-        "method": args.method, "pattern": f"{n}:{m}" if n else None, "sparsity": sparsity,
+        "method": args.method, "pattern": report["pattern"], "sparsity": sparsity,
         "calibration": cfg.record() if calibrated else None, "skip": list(skip),
         "blocksize": args.blocksize if args.method == "sparsegpt" else None,
         "percdamp": args.percdamp if args.method in ("sparsegpt", "obs") else None,

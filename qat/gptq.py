@@ -1,10 +1,9 @@
 """GPTQ (Frantar et al. 2022): quantise a linear layer column by column, compensating with OBS updates.
 
 Same setting as prune.algorithms.sparsegpt_prune: W [out, in], H = X^T X [in, in] from calibration
-inputs, U = upper Cholesky factor of (H + damp I)^-1 (core.obs.dampened_inverse_cholesky). Fixing
-column i to its quantised value q_i (after columns 0..i-1 were fixed) is best compensated by subtracting
-err_i * U[i, i:] from columns i.. with err_i = (w_i - q_i) / U[i, i]. Updates inside a block of columns
-are applied eagerly; those to later columns are batched into one matmul per block (lazy batch update).
+inputs, U = upper Cholesky factor of (H + damp I)^-1 (core.obs.dampened_inverse_cholesky). The sweep is
+core.obs.obs_column_sweep, shared with SparseGPT: each column is fixed to its quantised value q_i and
+its error err_i = (w_i - q_i) / U[i, i] is compensated through U[i, i:] on the later columns.
 The result lies exactly on the (scale, zero_point) grid of qat.quantizers, so it exports losslessly.
 """
 from __future__ import annotations
@@ -14,7 +13,7 @@ import math
 import torch
 
 from core.errors import SmeltError
-from core.obs import check_hessian, dampened_inverse_cholesky
+from core.obs import check_hessian, dampened_inverse_cholesky, obs_column_sweep
 from qat.quantizers import QuantSpec, check_weight, compute_qparams, work_dtype
 
 
@@ -108,32 +107,21 @@ def gptq_quantize(
     col_group = (col_group // gs).tolist()  # group of each swept column, in original numbering
     per_group = QuantSpec(spec.bits, spec.symmetric, None, spec.scale_init)  # one group = one "channel"
 
-    for i1 in range(0, cols, blocksize):
-        i2 = min(i1 + blocksize, cols)
-        W1 = Wk[:, i1:i2].clone()
-        U1 = U[i1:i2, i1:i2]
-        d1 = U1.diagonal()
-        keep1 = None if keep is None else keep[:, i1:i2]
-        Err1 = torch.zeros_like(W1)
-        for j in range(i2 - i1):
-            g = col_group[i1 + j]
-            if grouped and not static_groups and (i1 + j) % gs == 0:
-                cur = W1[:, j:j + gs] if keep1 is None else W1[:, j:j + gs] * keep1[:, j:j + gs]
-                s, z = compute_qparams(cur, per_group, name)
-                scale[:, g:g + 1] = s
-                if zp is not None:
-                    zp[:, g:g + 1] = z
-            w = W1[:, j]
-            q = _fq_column(w, scale[:, g], None if zp is None else zp[:, g].to(w.dtype), spec)
-            if keep1 is not None:
-                q = torch.where(keep1[:, j], q, torch.zeros_like(q))
-            err = (w - q) / d1[j]
-            W1[:, j + 1:] -= err[:, None] * U1[j, j + 1:][None, :]
-            W1[:, j] = q  # set, not updated, so the value is exactly on the grid (masked: exactly 0)
-            Err1[:, j] = err
-        Wk[:, i1:i2] = W1
-        Wk[:, i2:] -= Err1 @ U[i1:i2, i2:]  # lazy batched update of every later column
+    def quantised_column(W1: torch.Tensor, d1: torch.Tensor, j: int, col: int) -> torch.Tensor:
+        g = col_group[col]
+        if grouped and not static_groups and col % gs == 0:  # dynamic: qparams of the updated weights
+            cur = W1[:, j:j + gs] if keep is None else W1[:, j:j + gs] * keep[:, col:col + gs]
+            s, z = compute_qparams(cur, per_group, name)
+            scale[:, g:g + 1] = s
+            if zp is not None:
+                zp[:, g:g + 1] = z
+        w = W1[:, j]
+        q = _fq_column(w, scale[:, g], None if zp is None else zp[:, g].to(w.dtype), spec)
+        if keep is not None:  # masked: exactly 0
+            q = torch.where(keep[:, col], q, torch.zeros_like(q))
+        return q
 
+    Wk = obs_column_sweep(Wk, U, blocksize, quantised_column)
     if perm is not None:
         Wk = Wk[:, torch.argsort(perm)]
     return Wk.to(W.dtype), scale, zp

@@ -24,8 +24,8 @@ from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_dir, read_safetensors, sha256_file
 from core.hf_names import to_hf_name
 from core.masks import MASKS_FILE
+from core.patterns import NMPattern
 from models.hf_io import read_hf_config, read_hf_tensors
-from prune.patterns import mask_is_nm, parse_pattern
 from qat.qparams import QPARAMS_FILE, read_qparams, spec_to_dict
 from qat.quantizers import QuantSpec, check_group, dequantize, quantize
 
@@ -33,6 +33,7 @@ RELEASE_MANIFEST = "smelt_release.json"
 SPARSITY_FILE = "sparsity.safetensors"
 SPARSITY_JSON = "sparsity.json"
 COMPRESSION_FORMAT = "pack-quantized"
+SPARSE_24 = NMPattern(2, 4)  # the one N:M pattern a release declares (what sparse tensor cores run)
 # Copied through unchanged: tokenizer files, generation defaults, MTP heads of a later stage.
 PASSTHROUGH = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
@@ -137,12 +138,12 @@ def compress_module(name: str, q: torch.Tensor, scale: torch.Tensor, spec: Quant
     return {f"{name}.{k}": v.contiguous() for k, v in out.items()}
 
 
-def declared_pattern(chain: list[dict]) -> tuple[int, int] | None:
-    """(n, m) of the N:M pattern the latest prune stage of the chain declared, else None."""
+def declared_pattern(chain: list[dict]) -> NMPattern | None:
+    """The N:M pattern the latest prune stage of the chain declared, else None."""
     for st in reversed(chain):
         if st.get("stage") == "prune":
             pattern = (st.get("settings") or {}).get("pattern")  # None for unstructured sparsity
-            return parse_pattern(pattern) if pattern else None
+            return NMPattern.parse(pattern, "prune manifest settings.pattern") if pattern else None
     return None
 
 
@@ -187,10 +188,9 @@ def build_release(artifact_dir: str | Path, out_dir: str | Path, overwrite: bool
         w = state.get(f"{name}.weight")
         if w is None or tuple(w.shape) != tuple(mask.shape):
             raise SmeltError(f"{MASKS_FILE}: {name} has no weight of shape {tuple(mask.shape)} in the model")
-        is24 = mask.shape[1] % 4 == 0 and mask_is_nm(mask, 2, 4)
-        if pattern and not (mask.shape[1] % pattern[1] == 0 and mask_is_nm(mask, *pattern)):
-            raise SmeltError(f"{MASKS_FILE}: {name} breaks the {pattern[0]}:{pattern[1]} pattern its prune "
-                             f"stage declared")
+        is24 = SPARSE_24.holds(mask)
+        if pattern and not pattern.holds(mask):
+            raise SmeltError(f"{MASKS_FILE}: {name} breaks the {pattern} pattern its prune stage declared")
         bad = int((w[~mask.bool()] != 0).sum())
         if bad:
             kind = "2:4 mask" if is24 else "mask"
@@ -217,7 +217,7 @@ def build_release(artifact_dir: str | Path, out_dir: str | Path, overwrite: bool
     config["quantization_config"] = ct_quantization_config(spec, ignore)
     settings = {"quantization": {**spec_to_dict(spec), "format": COMPRESSION_FORMAT, "ignore": ignore,
                                  "modules": len(qparams)},
-                "sparsity": {"pattern": "2:4", "modules": len(sparse),
+                "sparsity": {"pattern": str(SPARSE_24), "modules": len(sparse),
                              "undeclared_masks": sorted(set(masks) - set(sparse))} if masks else None,
                 "source": str(art.resolve())}
     with atomic_dir(out, overwrite=overwrite) as tmp:
@@ -227,7 +227,7 @@ def build_release(artifact_dir: str | Path, out_dir: str | Path, overwrite: bool
             save_file({f"{k}.keep_bits": pack_mask(m) for k, m in sparse.items()}, str(tmp / SPARSITY_FILE),
                       metadata={"format": "smelt-sparsity/1"})
             (tmp / SPARSITY_JSON).write_text(json.dumps({
-                "format": "smelt-sparsity/1", "pattern": "2:4", "file": SPARSITY_FILE,
+                "format": "smelt-sparsity/1", "pattern": str(SPARSE_24), "file": SPARSITY_FILE,
                 "layout": SPARSITY_LAYOUT,
                 "modules": {k: {"shape": list(m.shape), "density": round(m.float().mean().item(), 6)}
                             for k, m in sorted(sparse.items())}}, indent=2) + "\n")

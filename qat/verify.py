@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from core.errors import ArgumentParser, run_cli
 from core.files import sha256_file
-from qat.release import COMPRESSION_FORMAT, RELEASE_MANIFEST, SPARSITY_JSON, unpack_mask
+from qat.release import COMPRESSION_FORMAT, RELEASE_MANIFEST, SPARSE_24, SPARSITY_JSON, unpack_mask
 
 
 class Report:
@@ -142,8 +142,6 @@ def _check_packing(rel: Path, scheme, r: Report) -> tuple[dict[str, dict[str, to
 def _check_sparsity(rel: Path, scheme, mods: dict, bad_mods: set[str], r: Report) -> None:
     from compressed_tensors.compressors import PackedQuantizationCompressor
 
-    from prune.patterns import mask_is_nm
-
     p = rel / SPARSITY_JSON
     if not p.is_file():
         r.ok("sparsity: none declared")
@@ -176,9 +174,10 @@ def _check_sparsity(rel: Path, scheme, mods: dict, bad_mods: set[str], r: Report
             r.fail(f"{mod}: {over} groups of 4 have more than 2 non-zero weights (declared 2:4)")
         if outside:
             r.fail(f"{mod}: {outside} weights are non-zero where the 2:4 mask removes them")
-        if not mask_is_nm(mask, 2, 4):
+        mask_ok = SPARSE_24.holds(mask)
+        if not mask_ok:
             r.fail(f"{mod}: the mask in {meta['file']} keeps more than 2 of 4 somewhere")
-        n_bad += bool(over or outside or not mask_is_nm(mask, 2, 4))
+        n_bad += bool(over or outside or not mask_ok)
     if skipped:
         r.lines.append(f"  skip  sparsity of {skipped} modules with invalid packing")
     if not n_bad and len(meta["modules"]) > skipped:

@@ -6,6 +6,7 @@ import torch
 
 from core.errors import SmeltError
 from core.obs import dampened_inverse_cholesky, inverse_hessian
+from core.patterns import NMPattern
 from prune.algorithms import (
     magnitude_prune,
     obs_prune,
@@ -13,7 +14,7 @@ from prune.algorithms import (
     sparsegpt_prune,
     wanda_prune,
 )
-from prune.patterns import mask_is_nm, topk_mask_unstructured
+from prune.patterns import topk_mask_unstructured
 
 METHODS = ["magnitude", "wanda", "sparsegpt", "obs"]
 
@@ -40,12 +41,13 @@ def prune(method: str, W, X, **kw):
 @pytest.mark.parametrize("method", METHODS)
 def test_nm_masks_keep_exactly_n_per_group(method, n, m):
     X, W = layer(0)
-    Wp, keep = prune(method, W, X, n=n, m=m)
+    pattern = NMPattern(n, m)
+    Wp, keep = prune(method, W, X, pattern=pattern)
     assert keep.dtype == torch.bool and keep.shape == W.shape
-    assert mask_is_nm(keep, n, m) and mask_is_nm(Wp, n, m)
+    assert pattern.holds(keep) and pattern.holds(Wp)
     assert bool((keep.reshape(-1, m).sum(-1) == n).all())  # every group keeps exactly n, not fewer
     assert bool((Wp[~keep] == 0).all())
-    assert not mask_is_nm(torch.ones_like(keep), n, m)
+    assert not pattern.holds(torch.ones_like(keep))
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -78,7 +80,7 @@ def test_wanda_keeps_small_weights_on_high_norm_inputs():
     norm[7] = 1e4
     assert not bool(magnitude_prune(W, 0.5)[1][:, 7].any())
     assert bool(wanda_prune(W, norm, 0.5)[1][:, 7].all())
-    assert bool(wanda_prune(W, norm, n=2, m=4)[1][:, 7].all())
+    assert bool(wanda_prune(W, norm, pattern=NMPattern(2, 4))[1][:, 7].all())
 
 
 def test_sparsegpt_per_row_ranking_gives_uniform_rows():
@@ -100,7 +102,7 @@ def test_reconstruction_error_order(sparsity, n, m):
     for seed in range(5):
         X, W = layer(seed)
         for method in METHODS:
-            Wp, _ = prune(method, W, X, sparsity=sparsity, n=n, m=m)
+            Wp, _ = prune(method, W, X, sparsity=sparsity, pattern=NMPattern(n, m) if m else None)
             errs[method].append(reconstruction_error(X, W, Wp, relative=True))
         assert errs["sparsegpt"][-1] < errs["magnitude"][-1], f"seed {seed}: {errs}"
     mean = {k: sum(v) / len(v) for k, v in errs.items()}
@@ -125,8 +127,8 @@ def test_sparsegpt_lazy_block_updates_match_one_block():
     # N:M masks do not depend on the block size, so batching later-column updates must change nothing
     X, W = layer(4)
     H = X.T @ X
-    a, keep_a = sparsegpt_prune(W, H, n=2, m=4, blocksize=8)
-    b, keep_b = sparsegpt_prune(W, H, n=2, m=4, blocksize=64)
+    a, keep_a = sparsegpt_prune(W, H, pattern=NMPattern(2, 4), blocksize=8)
+    b, keep_b = sparsegpt_prune(W, H, pattern=NMPattern(2, 4), blocksize=64)
     assert torch.equal(keep_a, keep_b)
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
@@ -154,7 +156,7 @@ def test_inputs_untouched_and_dtype_kept():
     H = X.T @ X
     W0, H0 = W.clone(), H.clone()
     for method in METHODS:
-        Wp, _ = prune(method, W, X, n=2, m=4)
+        Wp, _ = prune(method, W, X, pattern=NMPattern(2, 4))
         assert Wp.dtype == torch.bfloat16
     assert torch.equal(W, W0) and torch.equal(H, H0)
 
@@ -195,11 +197,11 @@ def test_bad_input_names_the_setting():
     W62, X62 = W[:, :62], X[:, :62]
     for method in METHODS:
         with pytest.raises(SmeltError, match=r"N:M=2:4 .*in_features=62"):
-            prune(method, W62, X62, n=2, m=4)
+            prune(method, W62, X62, pattern=NMPattern(2, 4))
     with pytest.raises(SmeltError, match="N:M=4:4"):
-        magnitude_prune(W, n=4, m=4)
+        NMPattern(4, 4)
     with pytest.raises(SmeltError, match="blocksize=6"):
-        sparsegpt_prune(W, H, n=2, m=4, blocksize=6)
+        sparsegpt_prune(W, H, pattern=NMPattern(2, 4), blocksize=6)
     with pytest.raises(SmeltError, match=r"Hessian shape \(62, 62\)"):
         sparsegpt_prune(W, H[:62, :62])
     for tokens in (8, 63):  # fewer tokens than inputs: rank-deficient (63: only fp32 noise hides it)

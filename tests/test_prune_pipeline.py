@@ -16,10 +16,10 @@ from torch import nn
 from core.calibrate import CalibConfig, run_blocks
 from core.errors import SmeltError, run_cli
 from core.masks import load_masks
+from core.patterns import NMPattern
 from models.hf_io import load_hf
 from models.llama import build_model, linear_names
 from prune.algorithms import magnitude_prune, reconstruction_error
-from prune.patterns import mask_is_nm
 from prune.run import main, prune_model, prune_targets
 
 PROBE = "feed_forward.w2"  # its input (silu(w1 x) * w3 x) exists only inside the block
@@ -98,13 +98,13 @@ def test_sparsegpt_2of4_masks_zeros_and_skipped_modules(tiny_model_dir, calib):
     cfg, windows = calib
     model = load_hf(tiny_model_dir)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    masks, report = prune_model(model, windows, "sparsegpt", n=2, m=4, cfg=cfg, progress=False)
+    masks, report = prune_model(model, windows, "sparsegpt", pattern=NMPattern(2, 4), cfg=cfg, progress=False)
     assert sorted(masks) == sorted(linear_names(model))
     mods = dict(model.named_modules())
     for name, keep in masks.items():
         W = mods[name].weight
-        assert mask_is_nm(keep, 2, 4) and int(keep.sum()) == keep.numel() // 2
-        assert bool((W[~keep] == 0).all()) and mask_is_nm(W, 2, 4)
+        assert NMPattern(2, 4).holds(keep) and int(keep.sum()) == keep.numel() // 2
+        assert bool((W[~keep] == 0).all()) and NMPattern(2, 4).holds(W)
         assert 0 < report["per_module"][name]["rel_recon_error"] < 1
     for name in ("tok_embeddings.weight", "output.weight", "norm.weight", "layers.1.ffn_norm.weight"):
         assert torch.equal(model.state_dict()[name], before[name])
@@ -174,7 +174,7 @@ def test_cli_end_to_end(tiny_model_dir, tmp_path):
     assert sorted(masks) == sorted(per_module)
     mods = dict(model.named_modules())
     assert all(bool((mods[k].weight[~v] == 0).all()) for k, v in masks.items())
-    assert all(mask_is_nm(mods[k].weight, 2, 4) for k in masks)
+    assert all(NMPattern(2, 4).holds(mods[k].weight) for k in masks)
 
 
 BAD = [

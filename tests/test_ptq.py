@@ -8,8 +8,8 @@ import torch
 from conftest import ROOT
 
 from core.calibrate import CalibConfig
+from core.patterns import NMPattern
 from models.hf_io import load_hf
-from prune.patterns import mask_is_nm, nm_mask
 from qat.ptq import quantize_model
 from qat.qparams import read_qparams
 from qat.quantizers import QuantSpec
@@ -25,7 +25,7 @@ def test_gptq_beats_rtn_on_the_model_output_and_keeps_masks(tiny_model_dir, byte
     calib = CalibConfig(n_windows=8, seq_len=64, batch_size=4)
     windows = calib.windows(byte_tokenizer)
     ref = load_hf(tiny_model_dir)
-    masks = {n: nm_mask(m.weight.abs(), 2, 4) for n, m in ref.named_modules()
+    masks = {n: NMPattern(2, 4).keep_top(m.weight.abs()) for n, m in ref.named_modules()
              if isinstance(m, torch.nn.Linear) and n != "output"}
     with torch.no_grad():
         for n, m in ref.named_modules():
@@ -39,7 +39,7 @@ def test_gptq_beats_rtn_on_the_model_output_and_keeps_masks(tiny_model_dir, byte
         assert report["modules"] == len(masks) == len(qparams)
         for n, m in model.named_modules():
             if n in masks:
-                assert mask_is_nm(m.weight != 0, 2, 4) and (m.weight[~masks[n]] == 0).all()
+                assert NMPattern(2, 4).holds(m.weight != 0) and (m.weight[~masks[n]] == 0).all()
                 assert _on_grid(m.weight.detach(), qparams[n][0], 32)
         with torch.no_grad():
             outs[method] = (model(windows[:4]) - ref(windows[:4])).pow(2).mean().item()

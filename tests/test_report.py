@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 
 
@@ -18,7 +19,7 @@ def test_report_orders_stages_and_writes_table_and_plot(tmp_path):
     for name, kl in (("qat-2of4", 0.2), ("teacher", 0.0), ("pruned-2of4", 0.8)):
         (tmp_path / "evals" / f"{name}.json").write_text(json.dumps(_rep(kl)))
     proc = subprocess.run([sys.executable, "-m", "eval.report", "--run", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
     table = (tmp_path / "report.md").read_text()
     assert table.index("teacher") < table.index("pruned-2of4") < table.index("qat-2of4")
@@ -28,5 +29,130 @@ def test_report_orders_stages_and_writes_table_and_plot(tmp_path):
 
 def test_report_without_evals_is_a_one_line_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "eval.report", "--run", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, check=False)
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and proc.stderr.count("\n") == 1
+
+
+def _cdf_rep(kl, cdf=True):
+    """A report like eval.evaluate's: quantiles of an exponential per-token KL with mean `kl`."""
+    import math
+
+    from eval.metrics import KL_CDF_P
+
+    rep = _rep(kl)
+    for m in rep["buckets"].values():
+        if cdf:
+            m["kl_cdf"] = {"p": KL_CDF_P, "kl": [-kl * math.log(1 - p) for p in KL_CDF_P]}
+    return rep
+
+
+def test_report_figure_has_bars_and_kl_distribution_per_bucket(tmp_path):
+    from eval.report import figure, plot
+
+    reports = {"teacher": _cdf_rep(0.0), "pruned-2of4": _cdf_rep(0.98), "recovered": _cdf_rep(0.64),
+               "rtn-old": _cdf_rep(0.4, cdf=False)}
+    fig = figure(reports)
+    assert len(fig.axes) == 3 * 2  # rows KL mean, KL P99, KL distribution; one column per bucket (en, zh)
+    mean_en, tail_en = fig.axes[0], fig.axes[4]
+    heights = [p.get_height() for p in mean_en.patches]
+    assert heights == [0.0, 0.98, 0.64, 0.4] and mean_en.get_yscale() == "linear"  # teacher drawn as 0
+    assert "0" in [t.get_text() for t in mean_en.texts] and "0.980" in [t.get_text() for t in mean_en.texts]
+    curves = [line.get_label() for line in tail_en.get_lines() if not line.get_label().startswith("_")]
+    assert tail_en.get_xscale() == "log" and curves == ["pruned-2of4", "recovered"]
+    note = " ".join(t.get_text() for t in tail_en.texts)
+    assert "rtn-old (no kl_cdf" in note and "teacher" in note
+    plot(reports, tmp_path / "report.png")
+    assert (tmp_path / "report.png").stat().st_size > 20_000
+    assert [p.name for p in tmp_path.iterdir()] == ["report.png"]  # no temp file left behind
+
+
+SECTION_TOML = '''
+[[rows]]
+label = "dense teacher"
+file = "teacher.json"
+
+[[rows]]
+label = "SparseGPT 2:4"
+file = "sparsegpt.json"
+commands = ["python -m prune.run --method sparsegpt --pattern 2:4 --out runs/x/sp"]
+'''
+MACHINE = {"cpu": "Test CPU 9000", "cpu_count": 2, "torch_threads": 2, "torch": "2.14.1"}
+README = "# project\n\nprose above\n\n<!-- results:prune -->\nstale\n<!-- /results:prune -->\n\nprose below\n"
+
+
+def _results(tmp_path):
+    sec = tmp_path / "results" / "prune"
+    sec.mkdir(parents=True)
+    (sec / "section.toml").write_text(SECTION_TOML)
+    for name, kl in (("teacher", 0.0), ("sparsegpt", 0.985)):
+        rep = {**_cdf_rep(kl), "machine": MACHINE, "settings": {"seq_len": 512, "windows": {"en": 16, "zh": 8}},
+               "command": f"python -m eval.evaluate --model runs/x/{name} --out {name}.json"}
+        (sec / f"{name}.json").write_text(json.dumps(rep))
+    readme = tmp_path / "README.md"
+    readme.write_text(README)
+    return tmp_path / "results", readme
+
+
+def test_tables_render_between_markers_and_check_detects_stale_readme(tmp_path, capsys):
+    from eval.tables import main
+
+    results, readme = _results(tmp_path)
+    args = ["--results", str(results), "--readme", str(readme)]
+    assert main([*args, "--check"]) == 1 and "prune" in capsys.readouterr().err
+    assert main(args) == 0
+    text = readme.read_text()
+    assert text.startswith("# project\n\nprose above\n\n<!-- results:prune -->\n")
+    assert text.endswith("<!-- /results:prune -->\n\nprose below\n") and "stale" not in text
+    assert "| model | en PPL | en KL mean | en KL P99 | en top-1 | zh PPL |" in text
+    assert "| SparseGPT 2:4 | 10.98 | 0.985 | 4.925 | 0.901 |" in text
+    assert "| dense teacher | 10.00 | 0.000 | 0.000 | 1.000 |" in text
+    assert "Measured on Test CPU 9000, 2 threads, torch 2.14.1; evaluation windows en 16 / zh 8 × 512" in text
+    assert "python -m prune.run --method sparsegpt" in text and "eval.evaluate --model runs/x/sparsegpt" in text
+    assert text.index("dense teacher") < text.index("SparseGPT 2:4")  # section.toml's order
+    assert main([*args, "--check"]) == 0
+    # a re-measured report makes the README stale again; regenerating is a no-op once up to date
+    rep = json.loads((results / "prune" / "sparsegpt.json").read_text())
+    rep["buckets"]["en"]["kl_mean"] = 0.5
+    (results / "prune" / "sparsegpt.json").write_text(json.dumps(rep))
+    assert main([*args, "--check"]) == 1
+    assert main(args) == 0 and "| SparseGPT 2:4 | 10.98 | 0.500 |" in readme.read_text()
+    assert main([*args, "--check"]) == 0
+
+
+def test_tables_section_json_and_bad_sections(tmp_path):
+    from core.errors import SmeltError
+    from eval.tables import main
+
+    results, readme = _results(tmp_path)
+    args = ["--results", str(results), "--readme", str(readme)]
+    sec = results / "prune"
+    (sec / "section.toml").unlink()
+    (sec / "section.json").write_text(json.dumps({"buckets": ["zh"], "rows": [
+        {"label": "t", "file": "teacher.json"}, {"label": "s", "file": "sparsegpt.json", "commands": "cmd"}]}))
+    assert main(args) == 0 and "| model | zh PPL | zh KL mean | zh KL P99 | zh top-1 |\n" in readme.read_text()
+    (sec / "extra.json").write_text("{}")
+    with pytest.raises(SmeltError, match="extra.json not listed"):
+        main(args)
+    (sec / "extra.json").unlink()
+    readme.write_text(README + "<!-- results:gone -->\n<!-- /results:gone -->\n")
+    with pytest.raises(SmeltError, match="section gone"):
+        main(args)
+
+
+def test_tables_missing_markers_is_a_one_line_error_naming_the_section(tmp_path):
+    results, readme = _results(tmp_path)
+    readme.write_text("# project\n\nno markers here\n")
+    proc = subprocess.run([sys.executable, "-m", "eval.tables", "--results", str(results), "--readme", str(readme)],
+                          cwd=ROOT, capture_output=True, text=True, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("error:") and "<!-- results:prune -->" in proc.stderr and "section prune" in proc.stderr
+    assert readme.read_text() == "# project\n\nno markers here\n"
+
+
+def test_committed_readme_matches_results():
+    """README.md's generated tables equal what results/ gives (skipped until results/ has a section)."""
+    from eval.tables import SECTION_FILES, main
+
+    if not any(f.is_file() for d in (ROOT / "results").glob("*") if d.is_dir() for f in map(d.joinpath, SECTION_FILES)):
+        pytest.skip("results/ has no sections yet")
+    assert main(["--results", str(ROOT / "results"), "--readme", str(ROOT / "README.md"), "--check"]) == 0
