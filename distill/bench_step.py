@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import time
 
 import torch
 
+from core.device import peak_rss_gib
 from core.errors import ArgumentParser, run_cli
 from distill.losses import DistillLoss
 from models.hf_io import load_hf
@@ -90,9 +90,8 @@ def main() -> None:
             _sync(device)
             times[m].append(time.perf_counter() - t0)
     if args.only:
-        peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
-                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-        print(json.dumps({"mode": args.only, "peak_gib": peak / 2**30}))
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else peak_rss_gib()
+        print(json.dumps({"mode": args.only, "peak_gib": peak}))
         return
     ce, kd = statistics.median(times["ce"]), statistics.median(times["kd"])
     print(f"device={device.type} dtype={dtype} batch={args.batch}x{args.seq_len} repeats={args.repeats}")

@@ -47,7 +47,7 @@ def divergence(kind: str, s_logits: torch.Tensor, t_logits: torch.Tensor, temper
         logm = torch.logaddexp(logp, logq) - torch.log(torch.tensor(2.0))
         d = 0.5 * (kl_rows(logp, logm) + kl_rows(logq, logm))
     else:
-        raise SmeltError(f"distill.loss={kind!r} is not one of {', '.join(KINDS)}")
+        raise SmeltError(f"loss.kind={kind!r} is not one of {', '.join(KINDS)}")
     return d * temperature ** 2
 
 
@@ -107,8 +107,10 @@ def _tail_threshold(s_logits, t_logits, labels, kind, temperature, skew_alpha, c
     return torch.quantile(d, quantile) if d.numel() else d.new_tensor(float("inf"))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DistillLossConfig:
+    """The loss settings; the trainer's `--loss.*` section is this class (train.titan.KDLoss.Config)."""
+
     kind: str = "forward_kl"
     temperature: float = 1.0
     skew_alpha: float = 0.1    # only for skew_kl
@@ -119,19 +121,19 @@ class DistillLossConfig:
 
     def __post_init__(self):
         if self.kind not in KINDS:
-            raise SmeltError(f"distill.loss.kind={self.kind!r} is not one of {', '.join(KINDS)}")
+            raise SmeltError(f"loss.kind={self.kind!r} is not one of {', '.join(KINDS)}")
         if not self.temperature > 0:
-            raise SmeltError(f"distill.loss.temperature={self.temperature} must be > 0")
+            raise SmeltError(f"loss.temperature={self.temperature} must be > 0")
         if not 0 < self.skew_alpha < 1:
-            raise SmeltError(f"distill.loss.skew_alpha={self.skew_alpha} must be in (0, 1)")
+            raise SmeltError(f"loss.skew_alpha={self.skew_alpha} must be in (0, 1)")
         if self.ce_weight < 0:
-            raise SmeltError(f"distill.loss.ce_weight={self.ce_weight} must be >= 0")
+            raise SmeltError(f"loss.ce_weight={self.ce_weight} must be >= 0")
         if self.chunk_tokens < 1:
-            raise SmeltError(f"distill.loss.chunk_tokens={self.chunk_tokens} must be >= 1")
+            raise SmeltError(f"loss.chunk_tokens={self.chunk_tokens} must be >= 1")
         if self.tail_weight < 0:
-            raise SmeltError(f"distill.loss.tail_weight={self.tail_weight} must be >= 0")
+            raise SmeltError(f"loss.tail_weight={self.tail_weight} must be >= 0")
         if not 0 < self.tail_quantile < 1:
-            raise SmeltError(f"distill.loss.tail_quantile={self.tail_quantile} must be in (0, 1)")
+            raise SmeltError(f"loss.tail_quantile={self.tail_quantile} must be in (0, 1)")
 
 
 class DistillLoss(nn.Module):

@@ -12,10 +12,14 @@ Gradients:
   round(w/s) - w/s inside the range and qmin/qmax where clipped; that gradient is scaled by
   1/sqrt(group_width * qmax) (LSQ's step-size gradient scale, per group of weights sharing a scale).
 Both are written as value + (x - x.detach()) so the forward value is bit-exact, not x + (q - x).
+
+Sparsity masks are not this module's business: the trainer's MaskSet (train.masks) zeroes removed
+weights after every step, and a zero weight quantizes to exactly 0 (zero is on every grid).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +29,43 @@ from core.dtensor import copy_into, full
 from core.errors import SmeltError
 from models.llama import DEFAULT_SKIP, linear_names
 from qat.quantizers import QuantSpec, check_group, compute_qparams, fake_quantize, quantize
+
+
+@dataclass(frozen=True)
+class FakeQuantConfig:
+    """What the trainer fake-quantizes (SmeltModel.Config.fake_quant); validated when constructed.
+
+    bits / symmetric / group_size / scale_init are qat.quantizers.QuantSpec's (`spec`); learn_scale makes
+    the scales LSQ parameters; skip lists the linears kept in full precision (models.llama.linear_names).
+    """
+
+    enable: bool = False
+    bits: int = 4
+    symmetric: bool = True
+    group_size: int | None = 64
+    scale_init: str = "minmax"
+    learn_scale: bool = False
+    skip: tuple[str, ...] = DEFAULT_SKIP
+
+    def __post_init__(self):
+        for name in ("enable", "learn_scale"):
+            if not isinstance(getattr(self, name), bool):
+                raise SmeltError(f"fake_quant.{name}={getattr(self, name)!r} must be true or false")
+        if isinstance(self.skip, str) or not isinstance(self.skip, (list, tuple)) or \
+                not all(isinstance(s, str) for s in self.skip):
+            raise SmeltError(f"fake_quant.skip={self.skip!r} must be a list of module names")
+        object.__setattr__(self, "skip", tuple(self.skip))
+        for name in ("bits", "symmetric", "group_size", "scale_init"):  # QuantSpec's checks, field by field
+            try:
+                QuantSpec(**{name: getattr(self, name)})
+            except SmeltError as e:
+                raise SmeltError(f"fake_quant.{name}: {e}") from None
+        object.__setattr__(self, "group_size", self.spec.group_size)  # -1 -> None, QuantSpec's spelling
+
+    @property
+    def spec(self) -> QuantSpec:
+        return QuantSpec(bits=self.bits, symmetric=self.symmetric, group_size=self.group_size,
+                         scale_init=self.scale_init)
 
 
 def round_ste(x: torch.Tensor) -> torch.Tensor:
@@ -46,7 +87,6 @@ class FakeQuantLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.spec, self.learn_scale = spec, learn_scale
         self._alloc_qparams(self.weight.device)
-        self.register_buffer("weight_mask", None, persistent=False)  # masks are saved by core.masks
 
     def _alloc_qparams(self, device: torch.device) -> None:
         """Scales of 1 (zero points of 0) until init_scales(); fp32 whatever the weight dtype."""
@@ -73,15 +113,6 @@ class FakeQuantLinear(nn.Linear):
             mod.init_scales()
         return mod
 
-    def set_mask(self, mask: torch.Tensor | None) -> None:
-        """Fixed bool keep-mask: the module then computes with Q(w * mask), so pruned weights stay 0."""
-        if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != tuple(self.weight.shape)):
-            raise SmeltError(f"mask must be bool {tuple(self.weight.shape)}, got {tuple(mask.shape)} {mask.dtype}")
-        self.weight_mask = None if mask is None else mask.to(self.weight.device)
-
-    def _masked(self, w: torch.Tensor) -> torch.Tensor:
-        return w if self.weight_mask is None else w * self.weight_mask.to(w.dtype)
-
     @torch.no_grad()
     def init_scales(self) -> None:
         """(Re)compute scales/zero points from the current weight with spec.scale_init (minmax or mse).
@@ -90,7 +121,7 @@ class FakeQuantLinear(nn.Linear):
             raise SmeltError("init_scales needs real weights: materialise the model (to_empty + load) first")
         if self.weight_scale.is_meta:  # to_empty() materialises buffers too; this covers loading by assign
             self._alloc_qparams(self.weight.device)
-        scale, zp = compute_qparams(self._masked(full(self.weight.detach()).float()), self.spec)
+        scale, zp = compute_qparams(full(self.weight.detach()).float(), self.spec)
         copy_into(self.weight_scale, scale)
         if zp is not None:
             copy_into(self.weight_zero_point, zp)
@@ -98,7 +129,7 @@ class FakeQuantLinear(nn.Linear):
     def quantized_weight(self) -> torch.Tensor:
         """The weight the forward uses, w_hat, differentiable w.r.t. weight (and weight_scale)."""
         spec = self.spec
-        w = self._masked(self.weight.float())
+        w = self.weight.float()
         zp = self.weight_zero_point
         if not self.learn_scale:
             q = fake_quantize(w.detach(), self.weight_scale.detach().float(), zp, spec)
@@ -169,7 +200,7 @@ def freeze(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor, torc
     export; dequantize() of these equals the weight the forward used. Collective under FSDP2."""
     out = {}
     for name, m in fake_quant_modules(model).items():
-        w = m._masked(full(m.weight.detach()).float())
+        w = full(m.weight.detach()).float()
         scale = full(m.weight_scale.detach()).float().clamp_min(torch.finfo(torch.float32).eps)
         zp = m.weight_zero_point
         out[name] = (quantize(w, scale, zp, m.spec), scale.clone(), None if zp is None else zp.clone())

@@ -46,6 +46,7 @@ _MAX_CHAIN = 32  # manifest parent links followed at most (guards against cycles
 
 def ct_scheme(spec: QuantSpec):
     """compressed-tensors QuantizationScheme for our weight-only spec (W4A16 / W8A16, pack-quantized)."""
+    # heavy (imports transformers): export only
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     args = QuantizationArgs(**spec.ct_args(), dynamic=False)
@@ -55,7 +56,7 @@ def ct_scheme(spec: QuantSpec):
 def ct_quantization_config(spec: QuantSpec, ignore: list[str]) -> dict:
     """config.json's `quantization_config`, laid out as compressed-tensors' ModelCompressor writes it."""
     import compressed_tensors
-    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.quantization import QuantizationConfig  # heavy: see ct_scheme
 
     qc = QuantizationConfig(config_groups={"group_0": ct_scheme(spec)}, format=COMPRESSION_FORMAT,
                             quantization_status="compressed", ignore=ignore)
@@ -128,6 +129,8 @@ def compress_module(name: str, q: torch.Tensor, scale: torch.Tensor, spec: Quant
                     scheme) -> dict[str, torch.Tensor]:
     """compressed-tensors' own pack-quantized tensors for one Linear, checked to hold exactly q."""
     from compressed_tensors.compressors import PackedQuantizationCompressor
+
+    # heavy: see ct_scheme
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
     # Feeding dequantize(q) in fp32: the compressor's round(w / scale) gives back q exactly.

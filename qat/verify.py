@@ -69,6 +69,7 @@ def _first_line(e: Exception) -> str:
 
 def _scheme(rel: Path, r: Report):
     """The release's single weight QuantizationScheme, or None (with a failure) if config.json is off."""
+    # heavy (imports transformers): checks only
     from compressed_tensors.quantization import QuantizationConfig
 
     try:
@@ -140,7 +141,7 @@ def _check_packing(rel: Path, scheme, r: Report) -> tuple[dict[str, dict[str, to
 
 
 def _check_sparsity(rel: Path, scheme, mods: dict, bad_mods: set[str], r: Report) -> None:
-    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.compressors import PackedQuantizationCompressor  # heavy: see _scheme
 
     p = rel / SPARSITY_JSON
     if not p.is_file():
@@ -186,7 +187,7 @@ def _check_sparsity(rel: Path, scheme, mods: dict, bad_mods: set[str], r: Report
 
 
 def _check_load(rel: Path, r: Report, n_tokens: int = 8) -> None:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # heavy: only the load check
 
     try:
         model = AutoModelForCausalLM.from_pretrained(str(rel), dtype=torch.float32)

@@ -6,7 +6,7 @@
 # Every stage reads the previous stage's artifact and writes its own under $SMELT_RUN, then is
 # evaluated against the teacher (per-token KL mean/P99, top-1, PPL per bucket). Budgets are env vars:
 #   SMELT_RECOVER_STEPS (default 60), SMELT_QAT_STEPS (default 100), SMELT_CALIB_WINDOWS (default 128),
-#   SMELT_NPROC (torchrun processes, default 2). A finished stage is skipped on a rerun.
+#   SMELT_NPROC (training processes, default 2). A finished stage is skipped on a rerun.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/env.sh"
@@ -17,8 +17,8 @@ teacher="${SMELT_TEACHER:-smollm2-135m}"
 nproc="${SMELT_NPROC:-2}"
 mix=wikitext2-valid+code-train+zh-train  # calibration and training text: every bucket's language, no eval text
 mkdir -p "$run/evals"
-torchrun_stage() {  # config, student, out, steps
-  .venv/bin/torchrun --standalone --nproc_per_node="$nproc" --local-ranks-filter 0 -m train.run \
+torchrun_stage() {  # config, student, out, steps (the launcher checks the config, then starts torchrun)
+  $py -m train.launch --nproc "$nproc" -- \
     --module train.config_registry --config "$1" --student "$2" --teacher "$teacher" \
     --dump_folder "$3-run" --export_dir "$3" --training.steps "$4"
 }

@@ -11,9 +11,9 @@ from compressed_tensors.quantization.utils import calculate_qparams as ct_calcul
 from conftest import tiny_config
 
 from core.errors import SmeltError
+from core.patterns import NMPattern
 from models.llama import build_model, linear_names
-from prune.patterns import mask_is_nm, nm_mask
-from qat.fake_quant import FakeQuantLinear, freeze, init_scales, swap_to_fake_quant
+from qat.fake_quant import FakeQuantConfig, FakeQuantLinear, freeze, init_scales, swap_to_fake_quant
 from qat.gptq import gptq_quantize
 from qat.quantizers import QuantSpec, check_group, compute_qparams, dequantize, fake_quantize, quantize, rtn
 
@@ -140,10 +140,10 @@ def test_gptq_act_order_keeps_contiguous_groups():
 def test_gptq_keeps_a_2_4_mask(act_order, symmetric):
     spec = QuantSpec(symmetric=symmetric)
     X, W = _calibration(seed=1), _weight(seed=1)
-    mask = nm_mask(W.abs(), 2, 4)
+    mask = NMPattern(2, 4).keep_top(W.abs())
     Ws = W * mask
     Wq, scale, zp = gptq_quantize(Ws, X.T @ X, spec, mask=mask, act_order=act_order)
-    assert bool((Wq[~mask] == 0).all()) and mask_is_nm(Wq, 2, 4)
+    assert bool((Wq[~mask] == 0).all()) and NMPattern(2, 4).holds(Wq)
     assert torch.equal(fake_quantize(Wq, scale, zp, spec), Wq)
     assert _out_err(X, Ws, Wq) < _out_err(X, Ws, rtn(Ws, spec)[0])
 
@@ -172,8 +172,9 @@ def test_ste_and_lsq_gradients(spec):
 
 def test_fake_quant_mask_keeps_zeros():
     lin = FakeQuantLinear.from_linear(_linear(64, 8), QuantSpec(group_size=32))
-    mask = nm_mask(lin.weight.detach().abs(), 2, 4)
-    lin.set_mask(mask)
+    mask = NMPattern(2, 4).keep_top(lin.weight.detach().abs())
+    with torch.no_grad():  # what the trainer's MaskSet does after every step
+        lin.weight.mul_(mask)
     lin.init_scales()
     assert bool((lin.quantized_weight()[~mask] == 0).all())
     q, _, _ = freeze(torch.nn.Sequential(lin))["0"]
@@ -245,20 +246,20 @@ def test_skip_entries_select_modules_and_typos_are_errors():
     assert "output" in swap_to_fake_quant(untied, spec, skip=())  # an untied head may be quantized
 
 
-def test_fake_quant_settings_are_typed():
-    from train import cpu_shims
-
-    cpu_shims.apply()  # before torchtitan is first imported (it reads the device type at import)
-    from train.titan import fake_quant_settings
-
-    spec, learn, skip = fake_quant_settings({"group_size": 32, "learn_scale": True, "skip": ["output"]})
-    assert (spec.group_size, learn, skip) == (32, True, ("output",))
+def test_fake_quant_config_is_typed():
+    cfg = FakeQuantConfig(enable=True, group_size=-1, learn_scale=True, skip=["output"])
+    assert (cfg.spec.group_size, cfg.group_size, cfg.learn_scale, cfg.skip) == (None, None, True, ("output",))
+    assert cfg.spec == QuantSpec(group_size=None)
     with pytest.raises(SmeltError, match="fake_quant.learn_scale='false' must be true or false"):
-        fake_quant_settings({"learn_scale": "false"})
+        FakeQuantConfig(learn_scale="false")
     with pytest.raises(SmeltError, match="fake_quant.skip='output' must be a list"):
-        fake_quant_settings({"skip": "output"})
-    with pytest.raises(Exception, match="group_sz"):
-        fake_quant_settings({"group_sz": 32})
+        FakeQuantConfig(skip="output")
+    with pytest.raises(SmeltError, match="fake_quant.bits: .*bits=3"):
+        FakeQuantConfig(bits=3)
+    with pytest.raises(SmeltError, match="fake_quant.group_size: group_size=0"):
+        FakeQuantConfig(group_size=0)
+    with pytest.raises(TypeError, match="group_sz"):
+        FakeQuantConfig(group_sz=32)
 
 
 def test_saved_scales_load_only_into_the_grid_they_were_fitted_for(tmp_path):

@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 from core.artifact import parent_record, write_manifest
 from core.errors import SmeltError, run_cli
 from core.masks import MASKS_FILE, save_masks
+from core.patterns import NMPattern
 from models.hf_io import save_hf
 from models.llama import build_model, linear_names
-from prune.patterns import nm_mask
 from qat import release as release_mod
 from qat.fake_quant import fake_quant_modules, freeze, swap_to_fake_quant
 from qat.qparams import QPARAMS_FILE, save_qparams, spec_to_dict
@@ -39,11 +39,10 @@ def artifact(tmp_path_factory) -> tuple[Path, torch.Tensor]:
     masks = {}
     with torch.no_grad():
         for n in linear_names(model):
-            masks[n] = nm_mask(mods[n].weight.abs(), 2, 4)
+            masks[n] = NMPattern(2, 4).keep_top(mods[n].weight.abs())
             mods[n].weight.mul_(masks[n])
     swap_to_fake_quant(model, SPEC)
-    for n, fq in fake_quant_modules(model).items():
-        fq.set_mask(masks[n])
+    for fq in fake_quant_modules(model).values():  # the weights are already masked, as the trainer keeps them
         fq.init_scales()
     frozen = freeze(model)
     with torch.no_grad():

@@ -1,17 +1,20 @@
 """The real trainer path: torchtitan Trainer, 2 gloo processes, FSDP2 shard degree 2, through the CPU shims.
 
-Covers distillation with masks kept, bit-identical resume after kill -9, checkpoint-on-signal, and the
-NaN stop. Each torchrun takes ~10 s on 2 cores, so the runs are shared through module fixtures.
+Covers distillation with masks kept, bit-identical resume after kill -9, checkpoint-on-signal, the
+NaN stop, and the launcher's one-line refusal of a bad config. Each torchrun takes ~10 s on 2 cores, so
+the runs are shared through module fixtures.
 """
 from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,13 +22,16 @@ from conftest import ROOT, make_byte_tokenizer, tiny_config
 from safetensors.torch import load_file
 
 from core.masks import load_masks, save_masks
-from train.masks import MaskSet
 from models.hf_io import load_hf, save_hf
 from models.llama import build_model
+from train.masks import MaskSet
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
             "--local-ranks-filter", "0", "-m", "train.run", "--module", "train.config_registry",
             "--config", "debug_distill"]
+# The same run through the launcher, which checks the config before starting torchrun with these options.
+LAUNCH = [sys.executable, "-m", "train.launch", "--nproc", "2", "--", "--module", "train.config_registry",
+          "--config", "debug_distill"]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +50,7 @@ def dirs(tmp_path_factory):
     masks = {}
     with torch.no_grad():
         for name, mod in student.named_modules():
-            if name.endswith("feed_forward.w1") or name.endswith("attention.wo"):
+            if name.endswith(("feed_forward.w1", "attention.wo")):
                 keep = mod.weight.abs() > mod.weight.abs().median()
                 mod.weight.mul_(keep)
                 masks[name] = keep
@@ -66,9 +72,9 @@ def _env():
 
 def torchrun(dirs: Path, name: str, *extra: str, timeout: int = 240, config: str = "debug_distill"
              ) -> subprocess.CompletedProcess:
-    cmd = TORCHRUN[:-1] + [config, "--student", str(dirs / "student"), "--teacher", str(dirs / "teacher"),
-                      "--dump_folder", str(dirs / name), "--export_dir", str(dirs / f"{name}-out"), *extra]
-    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    cmd = LAUNCH[:-1] + [config, "--student", str(dirs / "student"), "--teacher", str(dirs / "teacher"),
+                         "--dump_folder", str(dirs / name), "--export_dir", str(dirs / f"{name}-out"), *extra]
+    return subprocess.run(cmd, check=False, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def _kl_to_teacher(dirs: Path, model_dir: Path) -> float:
@@ -84,11 +90,14 @@ def _kl_to_teacher(dirs: Path, model_dir: Path) -> float:
 def straight_run(dirs):
     proc = torchrun(dirs, "straight", "--training.steps", "8")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return dirs / "straight-out"
+    return SimpleNamespace(out=dirs / "straight-out", log=proc.stdout + proc.stderr)
 
 
 def test_distillation_recovers_and_keeps_masks(dirs, straight_run):
-    out = straight_run
+    out = straight_run.out
+    # The step log's memory figure is the process's peak RSS on CPU (not torchtitan's -0.00GiB).
+    mem = [float(m) for m in re.findall(r"memory:\s*(-?[0-9.]+)GiB", straight_run.log)]
+    assert mem and min(mem) > 0, straight_run.log[-2000:]
     assert {"model.safetensors", "masks.safetensors", "manifest.json", "tokenizer.json"} <= {
         p.name for p in out.iterdir()}
     masks = load_masks(out)
@@ -122,7 +131,7 @@ def test_resume_after_kill9_is_bit_identical(dirs, straight_run):
     resumed = torchrun(dirs, name, "--training.steps", "8")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Loading the checkpoint" in resumed.stdout + resumed.stderr
-    a = load_file(str(straight_run / "model.safetensors"))
+    a = load_file(str(straight_run.out / "model.safetensors"))
     b = load_file(str(dirs / f"{name}-out" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -219,7 +228,7 @@ def test_bad_trainer_config_is_refused(dirs, tmp_path):
 
 
 def test_qat_through_the_trainer_keeps_2of4_and_exports_on_grid(dirs, tmp_path):
-    from prune.patterns import mask_is_nm, nm_mask
+    from core.patterns import NMPattern
     from qat.qparams import read_qparams
 
     student = load_hf(dirs / "teacher")
@@ -227,14 +236,14 @@ def test_qat_through_the_trainer_keeps_2of4_and_exports_on_grid(dirs, tmp_path):
     with torch.no_grad():
         for name, mod in student.named_modules():
             if isinstance(mod, torch.nn.Linear) and name not in ("output",):
-                keep = nm_mask(mod.weight.abs(), 2, 4)
+                keep = NMPattern(2, 4).keep_top(mod.weight.abs())
                 mod.weight.mul_(keep)
                 masks[name] = keep
     save_hf(student, _mk(tmp_path / "s24"), tokenizer=make_byte_tokenizer())
     save_masks(student, masks, tmp_path / "s24")
     cmd = TORCHRUN[:-1] + ["debug_qat", "--student", str(tmp_path / "s24"), "--teacher", str(dirs / "teacher"),
                            "--dump_folder", str(tmp_path / "run"), "--export_dir", str(tmp_path / "out")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = load_hf(tmp_path / "out")
     qparams, spec = read_qparams(tmp_path / "out")
@@ -246,7 +255,22 @@ def test_qat_through_the_trainer_keeps_2of4_and_exports_on_grid(dirs, tmp_path):
             w = mod.weight.detach()
             assert torch.equal(exported[name], masks[name])  # the masks travel unchanged
             assert not bool(w[~masks[name]].any())  # every removed weight is still exactly zero
-            assert mask_is_nm(w != 0, 2, 4)  # still 2:4 after QAT
+            assert NMPattern(2, 4).holds(w)  # still 2:4 after QAT
             scale = qparams[name][0].repeat_interleave(32, dim=1)
             q = w / scale
             assert (q - q.round()).abs().max() < 1e-3 and q.round().abs().max() <= 8  # on the int4 grid
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--config", "no_such_config"], "'no_such_config'"),
+    (["--config", "debug_distill", "--training.foo", "1"], "--training.foo"),
+], ids=["unknown-config", "unknown-key"])
+def test_bad_launch_is_one_line_before_any_rank_starts(dirs, tmp_path, args, named):
+    cmd = LAUNCH[:-2] + args + ["--student", str(dirs / "student"), "--dump_folder", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and named in lines[0], proc.stderr[-2000:]
+    if "no_such_config" in named:  # only the registry's own config functions are offered
+        assert "debug_distill" in lines[0] and "parallelize" not in lines[0] and "default_adamw" not in lines[0]
+    assert not (tmp_path / "run").exists()  # no rank ever started

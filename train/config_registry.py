@@ -1,7 +1,9 @@
-"""Config functions for `python -m train.run --module train.config_registry --config NAME`.
+"""Config functions for `python -m train.launch --nproc N -- --module train.config_registry --config NAME`.
 
 Each returns a complete SmeltTrainer.Config; the command line overrides any field
-(`--student DIR --teacher DIR --training.steps 50 --dump_folder runs/x`).
+(`--student DIR --teacher DIR --training.steps 50 --dump_folder runs/x`) except the model's
+(torchtitan keeps model_spec off the command line), so fake quantization is set here only.
+Every public function defined in this module is a config (the launcher lists them).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import CommConfig, DebugConfig, ParallelismConfig, TrainingConfig
 from torchtitan.protocols.model_spec import ModelSpec
 
+from qat.fake_quant import FakeQuantConfig
 from train.titan import HFTokenizer, KDLoss, SmeltModel, StreamDataLoader, parallelize
 from train.trainer import SmeltTrainer
 
@@ -77,7 +80,7 @@ def debug_diverge() -> SmeltTrainer.Config:
 def debug_qat() -> SmeltTrainer.Config:
     """Tiny QAT run: int4 symmetric g32 fake quantization (STE) + KL to the teacher (tests)."""
     cfg = _config(steps=4, batch=2, seq_len=32, lr=1e-3, warmup=1, interval=2)
-    cfg.model_spec.model.fake_quant = {"bits": 4, "symmetric": True, "group_size": 32}
+    cfg.model_spec.model.fake_quant = FakeQuantConfig(enable=True, bits=4, symmetric=True, group_size=32)
     return cfg
 
 
@@ -91,6 +94,6 @@ def smollm2_qat() -> SmeltTrainer.Config:
     cfg = _config(steps=300, batch=2, seq_len=256, lr=6e-5, warmup=10, interval=50)
     cfg.training.global_batch_size = 4
     cfg.dataloader.corpus = MIXED_CORPUS
-    cfg.model_spec.model.fake_quant = {"bits": 4, "symmetric": True, "group_size": 64, "scale_init": "mse",
-                                       "learn_scale": True}
+    cfg.model_spec.model.fake_quant = FakeQuantConfig(enable=True, bits=4, symmetric=True, group_size=64,
+                                                      scale_init="mse", learn_scale=True)
     return cfg

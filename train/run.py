@@ -1,14 +1,33 @@
-"""Entry point of every training stage (torchtitan's own train.main, plus CPU shims and clean errors).
+"""What each training rank runs: torchtitan's train.main, plus CPU shims and one-line errors.
 
-    torchrun --nproc_per_node=N -m train.run --module train.config_registry --config smollm2_recover \
+Start it through the launcher, which checks the config before any rank starts:
+
+    python -m train.launch --nproc 2 -- --module train.config_registry --config smollm2_recover \
         --student runs/smollm2/pruned --teacher smollm2-135m --export_dir runs/smollm2/recovered
 
 Any Trainer.Config field can be overridden on the command line (`--training.steps 200`).
+`parse_config` is the one parse both use: bad input (unknown config or option, a bad value) is a
+SmeltError with a one-line message.
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
+import inspect
+import io
 import os
 import sys
+from types import ModuleType
+
+import torch
+
+from core.errors import EXIT_BAD_INPUT, SmeltError, one_line
+from train import cpu_shims
+
+try:  # tyro's parse-error hook (private, experimental); without it the error box is shortened instead
+    from tyro import _errors as tyro_errors
+except ImportError:  # pragma: no cover
+    tyro_errors = None
 
 
 def _wandb_env() -> None:
@@ -23,32 +42,117 @@ def _wandb_env() -> None:
     os.environ.setdefault("WANDB_PROJECT", "smelt")
 
 
-def main() -> None:
-    from train import cpu_shims
+def config_names(module: ModuleType) -> list[str]:
+    """The config functions a registry module defines (not the helpers it imports, not _private ones)."""
+    return [n for n, f in vars(module).items()
+            if inspect.isfunction(f) and f.__module__ == module.__name__ and not n.startswith("_")]
 
+
+def _option(args: list[str], name: str) -> str | None:
+    """The value of `name X` / `name=X` in args (the last one, as ConfigManager reads them)."""
+    value = None
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def _registry(module_name: str) -> ModuleType | None:
+    """The module ConfigManager would load for --module (X.config_registry, else X); None if neither
+    exists (ConfigManager then tries torchtitan's own short names and reports the failure)."""
+    for candidate in (f"{module_name}.config_registry", module_name):
+        try:
+            return importlib.import_module(candidate)
+        except ModuleNotFoundError as e:
+            if not (e.name and (candidate == e.name or candidate.startswith(e.name + "."))):
+                raise  # the module exists but something it imports does not: a real failure
+    return None
+
+
+def _check_config_name(args: list[str]) -> None:
+    module_name, config_name = _option(args, "--module"), _option(args, "--config")
+    module = _registry(module_name) if module_name else None
+    if module is None or config_name is None:
+        return
+    names = config_names(module)
+    if config_name not in names:
+        raise SmeltError(f"--config {config_name!r} is not a config of {module.__name__} "
+                         f"(available: {', '.join(names)})")
+
+
+def _flag(argument) -> str:
+    flags = getattr(getattr(argument, "lowered", None), "name_or_flags", None)
+    return "/".join(flags) if flags else "an option"
+
+
+def _on_tyro_error(event) -> None:
+    """Turn tyro's parse failures into SmeltError (raising here stops tyro's error box and exit)."""
+    if isinstance(event, tyro_errors.UnrecognizedArgs):
+        opts = [t for t in event.tokens if t.startswith("-")] or event.tokens
+        raise SmeltError(f"unknown option{'s' if len(opts) > 1 else ''} {', '.join(opts)} "
+                         f"(--help lists the options)")
+    if isinstance(event, tyro_errors.InvalidChoice):
+        raise SmeltError(f"{_flag(event.argument)} {event.value!r} is not one of {', '.join(event.choices)}")
+    if isinstance(event, tyro_errors.InstantiationFailure):
+        raise SmeltError(f"{_flag(event.argument)}: {one_line(ValueError(event.message))}")
+    if isinstance(event, tyro_errors.BadValue):
+        raise SmeltError(f"{_flag(event.argument)}: bad value {event.offending_value or '(missing)'}")
+    # Any other event: tyro prints its box (captured by parse_config) and exits 2.
+
+
+def _box_message(text: str) -> str:
+    """The gist of a tyro error box: its title and first line of content."""
+    lines = [ln.strip(" │╭╮╰╯─") for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln]
+    return ": ".join(lines[:2]) or "the command line could not be parsed"
+
+
+def parse_config(args: list[str]):
+    """torchtitan's ConfigManager().parse_args(args), with the CPU shims applied first and bad input as
+    SmeltError. What it printed to stderr is passed on only when parsing succeeds."""
+    cpu_shims.apply()
+    # Here, not at the top: torchtitan reads the device type when first imported (after the shims).
+    from torchtitan.config import ConfigManager
+
+    _check_config_name(args)
+    err = io.StringIO()
+    hook = tyro_errors.on_parse_error(_on_tyro_error) if tyro_errors else contextlib.nullcontext()
+    try:
+        with contextlib.redirect_stderr(err), hook:
+            config = ConfigManager().parse_args(args)
+    except SystemExit as e:
+        if e.code in (0, None):  # --help
+            raise
+        raise SmeltError(_box_message(err.getvalue())) from None
+    except (ValueError, ImportError) as e:  # ConfigManager's own: --module/--config missing, no such module
+        raise SmeltError(one_line(e)) from None
+    sys.stderr.write(err.getvalue())
+    return config
+
+
+def main() -> None:
     cpu_shims.apply()  # before torchtitan is imported; a no-op when a GPU is present
     _wandb_env()
-    import torch
-    from torchtitan.config import ConfigManager
+    # Here, not at the top: these import torchtitan, which must come after the shims.
     from torchtitan.observability import structured_logger as sl
     from torchtitan.tools.logging import init_logger
 
-    from core.errors import SmeltError
     from train.trainer import TrainingStopped
 
     trainer = None
     try:
         init_logger()
-        config = ConfigManager().parse_args()
+        config = parse_config(sys.argv[1:])
         sl.init_structured_logger(source="training", output_dir=config.dump_folder,
                                   enable=config.debug.enable_structured_logging)
         trainer = config.build()
         trainer.train()
     except (SmeltError, TrainingStopped, FileNotFoundError) as e:
-        rank = int(os.environ.get("RANK", "0"))
-        if rank == 0:
-            print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-        sys.exit(2)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {one_line(e)}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
     finally:
         if trainer is not None:
             trainer.close()

@@ -18,10 +18,11 @@ from torchtitan.protocols.model import BaseModel
 from torchtitan.tools.logging import logger
 
 from core.data import TokenStream
-from core.errors import SmeltError
 from distill.losses import DistillLoss, DistillLossConfig
 from models.hf_io import config_from_hf, copy_state_into, load_tokenizer, read_hf_config, read_hf_state
-from models.llama import DEFAULT_SKIP, LlamaConfig, Transformer
+from models.llama import LlamaConfig, Transformer
+from qat.fake_quant import FakeQuantConfig, init_scales, swap_to_fake_quant
+from qat.qparams import load_qparams_into
 
 
 class SmeltModel(BaseModel):
@@ -35,8 +36,8 @@ class SmeltModel(BaseModel):
         """models.llama.LlamaConfig fields; read from init_from's config.json when empty."""
         seed: int = 0
         """Random-init seed when init_from is empty (debug runs)."""
-        fake_quant: dict = field(default_factory=dict)
-        """QAT: qat.quantizers.QuantSpec fields plus learn_scale / skip; empty = no fake quantization."""
+        fake_quant: FakeQuantConfig = field(default_factory=FakeQuantConfig)
+        """QAT: fake-quantize the linears (qat.fake_quant.FakeQuantConfig); off unless enable=True."""
 
         def update_from_config(self, *, config, **kwargs) -> None:
             student = getattr(config, "student", "")
@@ -57,11 +58,9 @@ class SmeltModel(BaseModel):
         super().__init__()
         self.config = config
         self.inner = Transformer(LlamaConfig.from_dict(config.arch))
-        if config.fake_quant:  # post-build module swap, before parallelize (FSDP2 sees the final modules)
-            from qat.fake_quant import swap_to_fake_quant
-
-            spec, learn_scale, skip = fake_quant_settings(config.fake_quant)
-            swap_to_fake_quant(self.inner, spec, skip=skip, learn_scale=learn_scale)
+        fq = config.fake_quant
+        if fq.enable:  # post-build module swap, before parallelize (FSDP2 sees the final modules)
+            swap_to_fake_quant(self.inner, fq.spec, skip=fq.skip, learn_scale=fq.learn_scale)
 
     def verify_module_protocol(self) -> None:
         return  # the inner model is plain nn.Module by design (one definition for every stage)
@@ -73,34 +72,16 @@ class SmeltModel(BaseModel):
             self.inner.init_rope(buffer_device or self.inner.tok_embeddings.weight.device)
         else:
             self.inner.init_weights(buffer_device=buffer_device, seed=self.config.seed)
-        if self.config.fake_quant:
-            from qat.fake_quant import init_scales
-            from qat.qparams import load_qparams_into
-
-            # Scales saved by a PTQ stage (GPTQ) are kept; otherwise they come from the weights.
-            if not (self.config.init_from and load_qparams_into(self.inner, self.config.init_from)):
-                init_scales(self.inner)
+        # QAT: scales saved by a PTQ stage (GPTQ) are kept; otherwise they come from the weights.
+        init_from = self.config.init_from
+        if self.config.fake_quant.enable and not (init_from and load_qparams_into(self.inner, init_from)):
+            init_scales(self.inner)
 
     def init_states(self, *, buffer_device=None) -> None:
         self.init_weights(buffer_device=buffer_device)
 
     def forward(self, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
         return self.inner(tokens)
-
-
-def fake_quant_settings(d: dict):
-    """Split a fake_quant config dict into (QuantSpec, learn_scale, skip); unknown keys are refused."""
-    from configs.schema import build
-    from qat.quantizers import QuantSpec
-
-    d = dict(d)
-    learn_scale = d.pop("learn_scale", False)
-    if not isinstance(learn_scale, bool):
-        raise SmeltError(f"fake_quant.learn_scale={learn_scale!r} must be true or false")
-    skip = d.pop("skip", DEFAULT_SKIP)
-    if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
-        raise SmeltError(f"fake_quant.skip={skip!r} must be a list of module names")
-    return build(QuantSpec, d, "fake_quant"), learn_scale, tuple(skip)
 
 
 def fsdp_mesh(parallel_dims):
@@ -203,21 +184,11 @@ class KDLoss(BaseLoss):
     """
 
     @dataclass(kw_only=True, slots=True)
-    class Config(BaseLoss.Config):
-        kind: str = "forward_kl"
-        temperature: float = 1.0
-        skew_alpha: float = 0.1
-        ce_weight: float = 0.0
-        chunk_tokens: int = 1024
-        tail_weight: float = 0.0
-        tail_quantile: float = 0.9
+    class Config(BaseLoss.Config, DistillLossConfig):
+        """distill.losses.DistillLossConfig's fields and checks, as torchtitan's `--loss.*` section."""
 
     def __init__(self, config: Config, *, compile_config=None):
-        self.inner = DistillLoss(DistillLossConfig(kind=config.kind, temperature=config.temperature,
-                                                   skew_alpha=config.skew_alpha, ce_weight=config.ce_weight,
-                                                   chunk_tokens=config.chunk_tokens,
-                                                   tail_weight=config.tail_weight,
-                                                   tail_quantile=config.tail_quantile))
+        self.inner = DistillLoss(config)
 
     def __call__(self, pred, labels, global_valid_tokens=None, *, teacher_logits=None, **kwargs):
         local_valid = (labels != IGNORE_INDEX).sum()

@@ -31,12 +31,32 @@ from core.files import atomic_dir
 from core.masks import load_masks, save_masks
 from models.hf_io import config_from_hf, load_hf, load_tokenizer, read_hf_config, save_hf
 from models.llama import Transformer
+from models.teacher import resolve_teacher
+from qat.fake_quant import fake_quant_modules, freeze
+from qat.qparams import save_qparams
+from qat.quantizers import dequantize
 from train.masks import MaskSet
 from train.titan import fsdp_mesh, shard_model
 
 
 class TrainingStopped(RuntimeError):
     """Training cannot continue (non-finite loss or gradient); the message names the step."""
+
+
+def check_config(config: SmeltTrainer.Config) -> None:
+    """The checks that need no model or process group (train.launch runs them before the ranks start)."""
+    if not config.student or not Path(config.student).is_dir():
+        raise SmeltError(f"--student {config.student!r}: artifact directory does not exist")
+    ck = config.checkpoint
+    if ck.enable and ck.load_step > 0:
+        step_dir = Path(config.dump_folder) / ck.folder / f"step-{ck.load_step}"
+        if not (step_dir / ".metadata").is_file():
+            raise SmeltError(f"--checkpoint.load_step {ck.load_step}: no checkpoint at {step_dir}")
+    if config.model_spec.model.fake_quant.enable and config.training.mixed_precision_param != "float32":
+        # A bf16 forward would round the weights before quantizing, and the exported codes (from the fp32
+        # masters) would then differ from the ones trained.
+        raise SmeltError(f"fake_quant needs --training.mixed_precision_param float32, not "
+                         f"{config.training.mixed_precision_param!r}")
 
 
 class SmeltTrainer(Trainer):
@@ -52,22 +72,9 @@ class SmeltTrainer(Trainer):
         """Checkpoint and exit cleanly on SIGTERM / SIGUSR1."""
 
     def __init__(self, config: Config):
-        if not config.student or not Path(config.student).is_dir():
-            raise SmeltError(f"--student {config.student!r}: artifact directory does not exist")
-        ck = config.checkpoint
-        if ck.enable and ck.load_step > 0:
-            step_dir = Path(config.dump_folder) / ck.folder / f"step-{ck.load_step}"
-            if not (step_dir / ".metadata").is_file():
-                raise SmeltError(f"--checkpoint.load_step {ck.load_step}: no checkpoint at {step_dir}")
-        if config.model_spec.model.fake_quant and config.training.mixed_precision_param != "float32":
-            # A bf16 forward would round the weights before quantizing, and the exported codes (from the fp32
-            # masters) would then differ from the ones trained.
-            raise SmeltError(f"fake_quant needs --training.mixed_precision_param float32, not "
-                             f"{config.training.mixed_precision_param!r}")
+        check_config(config)
         teacher_dir = None
         if config.teacher:
-            from models.teacher import resolve_teacher
-
             teacher_dir = resolve_teacher(config.teacher, download=False)
             t_vocab = config_from_hf(read_hf_config(teacher_dir)).vocab_size
             s_vocab = config_from_hf(read_hf_config(config.student)).vocab_size
@@ -181,10 +188,6 @@ class SmeltTrainer(Trainer):
         A QAT student is written as its fake-quantized weights (so the artifact's logits are the
         quantized model's) plus qparams.safetensors with the scales the release packs.
         """
-        from qat.fake_quant import fake_quant_modules, freeze
-        from qat.qparams import save_qparams
-        from qat.quantizers import dequantize
-
         weights = {name: full(p).detach().float().cpu() for name, p in self.student.named_parameters()}
         frozen = freeze(self.student) if fake_quant_modules(self.student) else {}
         masks = {n: full(m.to(torch.uint8)).bool().cpu() for n, _, m in self.masks.pairs}
@@ -217,7 +220,7 @@ class SmeltTrainer(Trainer):
                 "loss": _plain(cfg.loss), "steps": self.step, "tokens_seen": int(self.ntokens_seen),
                 "local_batch_size": cfg.training.local_batch_size, "seq_len": cfg.training.seq_len,
                 "dp_shard": self.parallel_dims.dp_shard, "optimizer": _plain(cfg.optimizer),
-                "fake_quant": dict(cfg.model_spec.model.fake_quant),
+                "fake_quant": _plain(cfg.model_spec.model.fake_quant),
                 "data": _plain(cfg.dataloader),
             }, parent=parent_record(cfg.student))
         logger.info("exported the student to %s", out_dir)

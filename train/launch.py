@@ -1,0 +1,79 @@
+"""Start a training stage: check its config in this process, then start the ranks with torchrun.
+
+    python -m train.launch --nproc 2 -- --module train.config_registry --config smollm2_recover \
+        --student runs/smollm2/pruned --teacher smollm2-135m --export_dir runs/smollm2/recovered
+
+Everything after `--` is what every rank's `train.run` gets. First the config is parsed exactly as the
+ranks will parse it (train.run.parse_config, CPU shims first) and checked (train.trainer.check_config):
+an unknown config or option, a bad value or a missing --student is `error: <one line>` and exit
+status 2, instead of a traceback from every rank plus torchrun's failure report. Then this process
+becomes (exec: same pid, so Slurm's and the user's signals reach torchrun as before)
+
+    python -m torch.distributed.run --standalone --nproc-per-node N --local-ranks-filter 0 -m train.run ...
+
+On several nodes (Slurm) pass --nnodes, --rdzv-id and --rdzv-endpoint (c10d rendezvous) instead of the
+standalone one; --all-ranks shows every local rank's output, not just local rank 0's.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+
+from core.errors import ArgumentParser, SmeltError, run_cli
+from train.run import parse_config
+
+USAGE = "python -m train.launch [--nproc N] -- --module train.config_registry --config NAME [overrides]"
+
+
+def _parser() -> ArgumentParser:
+    ap = ArgumentParser(prog="python -m train.launch", usage=USAGE, description=__doc__.split("\n")[0])
+    ap.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, default=1,
+                    help="ranks per node (default 1)")
+    ap.add_argument("--nnodes", default="1", help="nodes (torchrun's --nnodes); >1 needs --rdzv-endpoint")
+    ap.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default="smelt")
+    ap.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default="",
+                    help="HOST:PORT of the c10d rendezvous (multi-node); default: a standalone one")
+    ap.add_argument("--all-ranks", action="store_true", help="show every local rank's output")
+    return ap
+
+
+def torchrun_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(torchrun's options, train.run's arguments) from the launcher's command line."""
+    i = argv.index("--") if "--" in argv else len(argv)
+    opts = _parser().parse_args(argv[:i])  # before the check below, so that --help works alone
+    if i == len(argv):
+        raise SmeltError(f"put the train.run arguments after --: {USAGE}")
+    if opts.nproc < 1:
+        raise SmeltError(f"--nproc {opts.nproc} must be >= 1")
+    out = [f"--nproc-per-node={opts.nproc}"]
+    if opts.rdzv_endpoint:
+        out += [f"--nnodes={opts.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={opts.rdzv_endpoint}",
+                f"--rdzv-id={opts.rdzv_id}"]
+    elif opts.nnodes != "1":
+        raise SmeltError(f"--nnodes {opts.nnodes} needs --rdzv-endpoint HOST:PORT")
+    else:
+        out.append("--standalone")
+    if not opts.all_ranks:
+        out += ["--local-ranks-filter", "0"]
+    return out, argv[i + 1:]
+
+
+def main() -> None:
+    torchrun, run_args = torchrun_args(sys.argv[1:])
+    # The ranks print the parse's warnings themselves; here only a failure is reported (one line).
+    with contextlib.redirect_stderr(io.StringIO()):
+        config = parse_config(run_args)
+        # Here, not at the top: train.trainer imports torchtitan, which parse_config's shims must precede.
+        from train.trainer import check_config
+
+        check_config(config)
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun, "-m", "train.run", *run_args]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, cmd)
+
+
+if __name__ == "__main__":
+    run_cli(main)
