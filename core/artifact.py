@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from core.errors import SmeltError
-from core.files import sha256_file
+from core.files import atomic_write_text, sha256_file
 
 
 def write_manifest(out_dir: str | Path, stage: str, settings: dict, metrics: dict | None = None,
@@ -27,7 +27,7 @@ def write_manifest(out_dir: str | Path, stage: str, settings: dict, metrics: dic
         "parent": parent,
         "files": files,
     }
-    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    atomic_write_text(out_dir / "manifest.json", json.dumps(manifest, indent=2, sort_keys=False) + "\n")
     return manifest
 
 
@@ -35,7 +35,13 @@ def read_manifest(art_dir: str | Path) -> dict:
     p = Path(art_dir) / "manifest.json"
     if not p.is_file():
         raise SmeltError(f"{art_dir} has no manifest.json (not a smelt artifact)")
-    return json.loads(p.read_text())
+    try:
+        manifest = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SmeltError(f"{p} is not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or "stage" not in manifest:
+        raise SmeltError(f"{p} has no 'stage' (not a smelt manifest)")
+    return manifest
 
 
 def parent_record(src_dir: str | Path) -> dict | None:
@@ -44,7 +50,7 @@ def parent_record(src_dir: str | Path) -> dict | None:
     if not (src_dir / "manifest.json").is_file():
         return {"path": str(src_dir)}
     m = read_manifest(src_dir)
-    return {"path": str(src_dir), "stage": m["stage"], "settings": m["settings"]}
+    return {"path": str(src_dir), "stage": m["stage"], "settings": m.get("settings")}
 
 
 def weights_fingerprint(model_dir: str | Path) -> str:

@@ -2,7 +2,7 @@
 collect statistics of each nn.Linear's inputs, and let a callback change the block before its outputs
 become the next block's inputs.
 
-SparseGPT, Wanda and OBS use it here; GPTQ and attention-head scoring reuse it. Each of them needs, for
+SparseGPT, Wanda and OBS (prune/) and GPTQ (qat/) use it; head scoring (planned) will. Each of them needs, for
 each linear, sums over its calibration inputs X [tokens, in]:
   H = XᵀX              the layer-wise Hessian proxy (||XWᵀ − XŴᵀ||² = tr(ΔW H ΔWᵀ))
   sq_norm_j = Σ x_j²   so Wanda's ||X_j||₂ = sqrt(sq_norm_j)

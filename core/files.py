@@ -10,7 +10,6 @@ import contextlib
 import hashlib
 import os
 import shutil
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -102,22 +101,21 @@ def check_finite(name: str, t: torch.Tensor, where: str | Path) -> None:
         raise SmeltError(f"{where}: tensor {name} has {bad} non-finite value(s) (NaN/inf); refusing to load it")
 
 
-def iter_safetensors(path: str | Path, names: Iterable[str] | None = None, finite: bool = True):
-    """Yield (name, tensor) from one safetensors file (all tensors, or `names`), each checked finite."""
+def iter_safetensors(path: str | Path):
+    """Yield (name, tensor) from one safetensors file, each checked finite."""
     path = Path(path)
     if not path.is_file():
         raise SmeltError(f"{path} does not exist")
     try:
         with safe_open(str(path), framework="pt") as f:
-            for name in list(f.keys()) if names is None else list(names):
+            for name in list(f.keys()):
                 t = f.get_tensor(name)
-                if finite:
-                    check_finite(name, t, path)
+                check_finite(name, t, path)
                 yield name, t
     except (SafetensorError, OSError) as e:
         raise _unreadable(path, e) from None
 
 
-def read_safetensors(path: str | Path, finite: bool = True) -> dict[str, torch.Tensor]:
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of one safetensors file; SmeltError naming the file if it is truncated or corrupt."""
-    return dict(iter_safetensors(path, finite=finite))
+    return dict(iter_safetensors(path))

@@ -28,7 +28,7 @@ from core.data import BUCKETS, EvalConfig, corpus_record, eval_windows, parse_wi
 from core.device import default_device, machine_record
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.fetch import cache_root
-from core.files import atomic_save_safetensors, atomic_write_text
+from core.files import atomic_save_safetensors, atomic_write_text, safetensors_metadata
 from eval.metrics import cat_stats, per_token_stats, summarize
 from models.hf_io import load_hf, load_tokenizer
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
@@ -46,7 +46,11 @@ def teacher_logprobs_file(teacher_dir: Path, windows: torch.Tensor, get_teacher,
     key = hashlib.sha256(weights_fingerprint(teacher_dir).encode() + windows.numpy().tobytes()).hexdigest()
     path = cache_root() / "teacher_logprobs" / f"{key[:32]}.safetensors"
     if path.is_file():
-        return path
+        try:
+            safetensors_metadata(path)  # a cache cut short (disk full, killed run) is rebuilt, not trusted
+            return path
+        except SmeltError:
+            path.unlink()
     device = default_device()
     teacher = get_teacher()
     parts = [torch.log_softmax(_logits(teacher, b, device), dim=-1).half()
@@ -115,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         overrides["seq_len"] = args.seq_len
     if args.windows:
         overrides["windows"] = parse_windows(args.windows)
-    if args.batch_size:
+    if args.batch_size is not None:
         overrides["batch_size"] = args.batch_size
     cfg = load_toml(EvalConfig, args.config, overrides) if args.config else build(EvalConfig, overrides)
     teacher_dir = resolve_teacher(args.teacher)

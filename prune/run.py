@@ -178,7 +178,7 @@ def _parse_args(argv):
     ap.add_argument("--eval", action="store_true", help="evaluate against the teacher (metrics in the manifest)")
     ap.add_argument("--eval-windows", help="per-bucket eval windows, e.g. en=16,zh=8,code=8 (EvalConfig default)")
     ap.add_argument("--eval-seq-len", type=int, help="eval window length (EvalConfig default)")
-    # 1, not EvalConfig's 4: on the 135M teacher, 4 raised this process's peak RSS by ~0.9 GB (fp32
+    # 1, not EvalConfig's 4: on the 135M teacher, 4 raised the evaluation's peak RSS by ~0.9 GB (fp32
     # [tokens, vocab] logits and per-chunk temporaries) and was no faster on CPU
     ap.add_argument("--eval-batch-size", type=int, default=1)
     return ap.parse_args(argv)
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.eval:
             del model
             release_memory()
-            ev = evaluate_dir(tmp, args.teacher, tmp / "eval.json", eval_cfg.cli_args())
+            ev = evaluate_dir(tmp, out, args.teacher, tmp / "eval.json", eval_cfg.cli_args())
             metrics["eval"], settings["eval"] = ev["buckets"], ev["settings"]
         write_manifest(tmp, stage="prune", settings=settings, metrics=metrics,
                        parent={"path": str(teacher_dir), "fingerprint": weights_fingerprint(teacher_dir)})

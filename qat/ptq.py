@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.eval:
             del model
             release_memory()
-            metrics["eval"] = evaluate_dir(tmp, args.teacher, tmp / "eval.json")
+            metrics["eval"] = evaluate_dir(tmp, out, args.teacher, tmp / "eval.json")
         write_manifest(tmp, stage="ptq", settings={
             "method": args.method, "spec": spec_to_dict(spec), "act_order": args.act_order,
             "blocksize": args.blocksize, "percdamp": args.percdamp, "source": str(src), "skip": list(skip),

@@ -17,7 +17,8 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.protocols.model import BaseModel
 from torchtitan.tools.logging import logger
 
-from core.data import TokenStream
+from core.data import TokenStream, split_corpora
+from core.errors import SmeltError
 from distill.losses import DistillLoss, DistillLossConfig
 from models.hf_io import config_from_hf, copy_state_into, load_tokenizer, read_hf_config, read_hf_state
 from models.llama import LlamaConfig, Transformer
@@ -152,6 +153,12 @@ class StreamDataLoader(BaseDataLoader):
     class Config(BaseDataLoader.Config):
         corpus: str = "wikitext2-valid"
         seed: int = 0
+
+        def __post_init__(self):  # checked when the config is parsed, so train.launch refuses it before ranks
+            try:
+                split_corpora(self.corpus)
+            except SmeltError as e:
+                raise SmeltError(f"--dataloader.corpus: {e}") from None
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
                  local_batch_size: int, snapshot_every_n_steps=None):
