@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from core.errors import SmeltError
-from core.files import atomic_write_text, sha256_file
+from core.files import atomic_write_text, read_json, sha256_file
 
 
 def write_manifest(out_dir: str | Path, stage: str, settings: dict, metrics: dict | None = None,
@@ -33,12 +33,7 @@ def write_manifest(out_dir: str | Path, stage: str, settings: dict, metrics: dic
 
 def read_manifest(art_dir: str | Path) -> dict:
     p = Path(art_dir) / "manifest.json"
-    if not p.is_file():
-        raise SmeltError(f"{art_dir} has no manifest.json (not a smelt artifact)")
-    try:
-        manifest = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SmeltError(f"{p} is not valid JSON ({e})") from None
+    manifest = read_json(p, "a smelt artifact")
     if not isinstance(manifest, dict) or "stage" not in manifest:
         raise SmeltError(f"{p} has no 'stage' (not a smelt manifest)")
     return manifest

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -73,6 +74,17 @@ def atomic_dir(path: str | Path, overwrite: bool = False):
 def atomic_write_text(path: str | Path, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def read_json(path: str | Path, what: str):
+    """A JSON file that must exist; a missing or unparsable one is one line naming the file and `what` it is."""
+    path = Path(path)
+    if not path.is_file():
+        raise SmeltError(f"{path.parent} has no {path.name} (not {what})")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SmeltError(f"{path} is not valid JSON ({e})") from None
 
 
 def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path,

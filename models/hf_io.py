@@ -13,7 +13,7 @@ import torch
 
 from core.dtensor import copy_into
 from core.errors import SmeltError
-from core.files import atomic_save_safetensors, iter_safetensors, read_safetensors
+from core.files import atomic_save_safetensors, iter_safetensors, read_json, read_safetensors
 from core.hf_names import from_hf_name, layer_index, to_hf_name
 from models.llama import LlamaConfig, Transformer
 
@@ -117,13 +117,7 @@ def read_hf_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def read_hf_config(model_dir: str | Path) -> dict:
-    p = Path(model_dir) / "config.json"
-    if not p.is_file():
-        raise SmeltError(f"{model_dir} has no config.json (not a Hugging Face model directory)")
-    try:
-        return json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SmeltError(f"{p} is not valid JSON ({e})") from None
+    return read_json(Path(model_dir) / "config.json", "a Hugging Face model directory")
 
 
 def read_hf_state(model_dir: str | Path, cfg: LlamaConfig, dtype: torch.dtype = torch.float32
