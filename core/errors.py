@@ -30,14 +30,16 @@ def one_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def run_cli(main: Callable[[], object]) -> None:
-    """Run a command's main(); bad input exits 2 with one line, an int return value is the exit status."""
+def run_cli(main: Callable[[], object], show: bool = True) -> None:
+    """Run a command's main(); bad input exits 2 with one line, an int return value is the exit status.
+    `show=False` exits the same way without printing (torchrun ranks other than 0: one line in all)."""
     try:
         status = main()
     except (SmeltError, ValueError, FileNotFoundError) as e:
         if os.environ.get("SMELT_TRACEBACK") == "1":
             raise
-        print(f"error: {one_line(e)}", file=sys.stderr)
+        if show:
+            print(f"error: {one_line(e)}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     if isinstance(status, int):
         sys.exit(status)

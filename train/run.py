@@ -21,7 +21,7 @@ from types import ModuleType
 
 import torch
 
-from core.errors import EXIT_BAD_INPUT, SmeltError, one_line
+from core.errors import SmeltError, one_line, run_cli
 from train import cpu_shims
 
 try:  # tyro's parse-error hook (private, experimental); without it the error box is shortened instead
@@ -139,25 +139,22 @@ def main() -> None:
     from torchtitan.observability import structured_logger as sl
     from torchtitan.tools.logging import init_logger
 
-    from train.trainer import TrainingStopped
+    def train() -> None:
+        trainer = None
+        try:
+            init_logger()
+            config = parse_config(sys.argv[1:])
+            sl.init_structured_logger(source="training", output_dir=config.dump_folder,
+                                      enable=config.debug.enable_structured_logging)
+            trainer = config.build()
+            trainer.train()
+        finally:
+            if trainer is not None:
+                trainer.close()
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
 
-    trainer = None
-    try:
-        init_logger()
-        config = parse_config(sys.argv[1:])
-        sl.init_structured_logger(source="training", output_dir=config.dump_folder,
-                                  enable=config.debug.enable_structured_logging)
-        trainer = config.build()
-        trainer.train()
-    except (SmeltError, TrainingStopped, FileNotFoundError) as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {one_line(e)}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
-    finally:
-        if trainer is not None:
-            trainer.close()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    run_cli(train, show=int(os.environ.get("RANK", "0")) == 0)
 
 
 if __name__ == "__main__":

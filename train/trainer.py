@@ -39,8 +39,8 @@ from train.masks import MaskSet
 from train.titan import fsdp_mesh, shard_model
 
 
-class TrainingStopped(RuntimeError):
-    """Training cannot continue (non-finite loss or gradient); the message names the step."""
+class TrainingStopped(SmeltError):
+    """Training cannot continue (non-finite loss or gradient); the message names the step (one line, exit 2)."""
 
 
 def check_config(config: SmeltTrainer.Config) -> None:
