@@ -25,9 +25,10 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from core.data import calibration_windows, corpus_record, split_corpora
+from core.data import KNOWN_CORPORA, calibration_windows, corpus_record, split_corpora
 from core.device import release_memory
 from core.errors import SmeltError
+from core.text_source import CalibrationSourceConfig, source_record
 
 
 @dataclass
@@ -35,7 +36,7 @@ class CalibConfig:
     n_windows: int = 128
     seq_len: int = 512
     seed: int = 0
-    corpus: str = "wikitext2-valid"  # or a '+'-joined mix (windows split evenly between the parts)
+    corpus: str = "wikitext2-valid"  # a '+'-joined mix (windows split evenly), a local path or hf:<dataset>
     batch_size: int = 8
     sequential: bool = True  # next block's inputs come from the modified block (SparseGPT, Wanda)
 
@@ -47,7 +48,10 @@ class CalibConfig:
             if v < lo:
                 why = ": no calibration data" if name == "n_windows" else ""
                 raise SmeltError(f"calibration {name}={v} must be >= {lo}{why}")
-        split_corpora(self.corpus, "calibration")
+        if all(name in KNOWN_CORPORA for name in self.corpus.split("+")):
+            split_corpora(self.corpus, "calibration")
+        else:
+            CalibrationSourceConfig(source=self.corpus)  # a path or hub dataset: checked the same way
         if not isinstance(self.sequential, bool):
             raise SmeltError(f"calibration sequential={self.sequential!r} must be true or false")
 
@@ -57,7 +61,9 @@ class CalibConfig:
 
     def record(self) -> dict:
         """What a manifest records: these settings plus the corpus's source and text hash."""
-        return {**asdict(self), "corpus_record": corpus_record(self.corpus)}
+        corpora = all(name in KNOWN_CORPORA for name in self.corpus.split("+"))
+        return {**asdict(self), "corpus_record": corpus_record(self.corpus) if corpora
+                else source_record(CalibrationSourceConfig(source=self.corpus))}
 
 
 class LinearStats:

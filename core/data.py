@@ -125,7 +125,12 @@ def calibration_windows(tokenizer, n: int, seq_len: int, seed: int = 0,
     """[n, seq_len] windows at seeded random offsets of a training corpus, BOS first.
 
     A '+'-joined corpus splits the n windows evenly between its parts (the first parts take the
-    remainder), so every language the mix names is calibrated on."""
+    remainder), so every language the mix names is calibrated on. Any other source (a local path or
+    hf:<dataset>) is streamed through core.text_source: its first n windows after a seeded shuffle."""
+    if not all(name in KNOWN_CORPORA for name in corpus.split("+")):
+        # Here, not at the top: core.text_source imports this module.
+        from core.text_source import calibration_source_windows
+        return calibration_source_windows(corpus, tokenizer, n, seq_len, seed)
     names = split_corpora(corpus, "calibration")
     if n <= 0 or seq_len < 2:
         raise SmeltError(f"calibration needs n >= 1 and seq_len >= 2 (got n={n}, seq_len={seq_len})")
@@ -155,55 +160,6 @@ def eval_windows(tokenizer, bucket: str, n: int, seq_len: int) -> torch.Tensor:
     picks = torch.linspace(0, total - 1, min(n, total)).round().long().unique()
     chunks = ids[: total * span].view(total, span)[picks]
     return _with_bos(chunks, bos_id(tokenizer))
-
-
-@dataclass
-class TokenStream:
-    """Packed training sequences from a training corpus, in a seeded shuffled order, resumable.
-
-    Each item is [seq_len + 1] tokens (BOS + text) so inputs = x[:-1], labels = x[1:]. `state_dict`
-    is (epoch, position); restoring it continues at exactly the same sample.
-    """
-    tokens: torch.Tensor
-    seq_len: int
-    bos: int
-    seed: int = 0
-    epoch: int = 0
-    position: int = 0
-    _order: torch.Tensor | None = field(default=None, repr=False)
-
-    @classmethod
-    def from_corpus(cls, tokenizer, seq_len: int, seed: int = 0, corpus: str = "wikitext2-valid"):
-        """`corpus` may join several training corpora with '+' (e.g. "wikitext2-valid+code-train")."""
-        names = split_corpora(corpus)
-        tokens = torch.cat([corpus_tokens(tokenizer, n) for n in names])
-        return cls(tokens, seq_len, bos_id(tokenizer), seed)
-
-    @property
-    def n_chunks(self) -> int:
-        return len(self.tokens) // self.seq_len
-
-    def _epoch_order(self) -> torch.Tensor:
-        if self._order is None:
-            g = torch.Generator().manual_seed(self.seed * 100003 + self.epoch)
-            self._order = torch.randperm(self.n_chunks, generator=g)
-        return self._order
-
-    def next_batch(self, batch_size: int) -> torch.Tensor:
-        rows = []
-        for _ in range(batch_size):
-            if self.position >= self.n_chunks:
-                self.epoch, self.position, self._order = self.epoch + 1, 0, None
-            i = int(self._epoch_order()[self.position])
-            self.position += 1
-            rows.append(self.tokens[i * self.seq_len:(i + 1) * self.seq_len])
-        return _with_bos(torch.stack(rows), self.bos)
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position, self.seed, self._order = state["epoch"], state["position"], state["seed"], None
 
 
 @dataclass

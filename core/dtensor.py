@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -25,3 +27,22 @@ def like(src: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy a full tensor into dst in place (keeping dst's identity and sharding)."""
     local(dst).copy_(local(like(src, dst)))
+
+
+def local_slices(t: torch.Tensor) -> tuple[slice, ...]:
+    """Where this rank's shard of a DTensor sits in the full tensor, per dim (all of it for a plain tensor),
+    so a loader can read just that part from disk."""
+    if not hasattr(t, "device_mesh"):
+        return tuple(slice(0, s) for s in t.shape)
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(slice(o, o + s) for o, s in zip(offset, shape))
+
+
+def first_error(message: str | None) -> str | None:
+    """The first rank's error message, agreed by every rank (so all raise, or none does, and rank 0, the
+    one that prints, can name a problem only another rank saw). Not a collective when not distributed."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return message
+    messages: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    return next((m for m in messages if m), None)

@@ -113,19 +113,26 @@ def check_finite(name: str, t: torch.Tensor, where: str | Path) -> None:
         raise SmeltError(f"{where}: tensor {name} has {bad} non-finite value(s) (NaN/inf); refusing to load it")
 
 
-def iter_safetensors(path: str | Path):
-    """Yield (name, tensor) from one safetensors file, each checked finite."""
+@contextlib.contextmanager
+def open_safetensors(path: str | Path):
+    """safe_open for reading; a missing, truncated or corrupt file is one line naming it (at open or on read)."""
     path = Path(path)
     if not path.is_file():
         raise SmeltError(f"{path} does not exist")
     try:
         with safe_open(str(path), framework="pt") as f:
-            for name in list(f.keys()):
-                t = f.get_tensor(name)
-                check_finite(name, t, path)
-                yield name, t
+            yield f
     except (SafetensorError, OSError) as e:
         raise _unreadable(path, e) from None
+
+
+def iter_safetensors(path: str | Path):
+    """Yield (name, tensor) from one safetensors file, each checked finite."""
+    with open_safetensors(path) as f:
+        for name in list(f.keys()):
+            t = f.get_tensor(name)
+            check_finite(name, t, path)
+            yield name, t
 
 
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:

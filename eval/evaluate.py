@@ -28,6 +28,7 @@ from core.data import BUCKETS, EvalConfig, corpus_record, eval_windows, parse_wi
 from core.device import default_device, machine_record
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.fetch import cache_root
+from core.tracking import log_evaluation
 from core.files import atomic_save_safetensors, atomic_write_text, safetensors_metadata
 from eval.metrics import cat_stats, per_token_stats, summarize
 from models.hf_io import load_hf, load_tokenizer
@@ -113,6 +114,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--windows", help="per-bucket window counts, e.g. en=16,zh=8,code=8")
     ap.add_argument("--batch-size", type=int, help="windows per forward (EvalConfig default)")
     ap.add_argument("--out", help="write the JSON report here")
+    ap.add_argument("--wandb", action="store_true",
+                    help="also log the metrics and table to the stage's wandb run (core.tracking; offline "
+                         "unless WANDB_MODE=online)")
     args = ap.parse_args(argv)
     overrides = {}
     if args.seq_len:
@@ -131,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(report, title=f"{model_dir} vs teacher {teacher_dir.name}"))
     if args.out:
         atomic_write_text(args.out, json.dumps(report, indent=2) + "\n")
+    if args.wandb:
+        log_evaluation(report, Path(args.out).parent if args.out else Path("."), name=str(model_dir))
 
 
 if __name__ == "__main__":

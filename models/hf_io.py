@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from core.dtensor import copy_into
+from core.dtensor import first_error, local, local_slices
 from core.errors import SmeltError
-from core.files import atomic_save_safetensors, iter_safetensors, read_json, read_safetensors
+from core.files import atomic_save_safetensors, check_finite, open_safetensors, read_json, read_safetensors
 from core.hf_names import from_hf_name, layer_index, to_hf_name
 from models.llama import LlamaConfig, Transformer
 
@@ -120,40 +120,66 @@ def read_hf_config(model_dir: str | Path) -> dict:
     return read_json(Path(model_dir) / "config.json", "a Hugging Face model directory")
 
 
-def read_hf_state(model_dir: str | Path, cfg: LlamaConfig, dtype: torch.dtype = torch.float32
-                  ) -> dict[str, torch.Tensor]:
-    """{our name: tensor} from an HF directory's safetensors, every name and shape checked against cfg."""
-    model_dir = Path(model_dir)
+def _hf_index(model_dir: Path, cfg: LlamaConfig) -> dict[str, tuple[Path, str]]:
+    """{our name: (file, HF name)} from the safetensors headers, every name and shape checked against cfg.
+    No tensor data is read here."""
     with torch.device("meta"):
         expected = Transformer(cfg).state_dict()
     if cfg.tie_embeddings:
         expected.pop("output.weight")
-    loaded: dict[str, torch.Tensor] = {}
+    index: dict[str, tuple[Path, str]] = {}
     for f in safetensors_files(model_dir):
-        for hf_name, t in iter_safetensors(f):  # a truncated file or a NaN weight is refused by name
-            if hf_name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and hf_name == "lm_head.weight"):
-                continue
-            name = from_hf_name(hf_name)
-            if name not in expected:
-                raise SmeltError(f"{f.name}: tensor {hf_name} has no place in the model "
-                                 f"(config.json says {cfg.n_layers} layers)")
-            if tuple(t.shape) != tuple(expected[name].shape):
-                raise SmeltError(f"{f.name}: {hf_name} has shape {tuple(t.shape)}, config.json implies "
-                                 f"{tuple(expected[name].shape)}")
-            loaded[name] = t.to(dtype)
-    missing = sorted(set(expected) - set(loaded))
+        with open_safetensors(f) as st:
+            names = st.keys()  # a safe_open handle, not a dict
+            for hf_name in names:
+                if hf_name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and hf_name == "lm_head.weight"):
+                    continue
+                name = from_hf_name(hf_name)
+                if name not in expected:
+                    raise SmeltError(f"{f.name}: tensor {hf_name} has no place in the model "
+                                     f"(config.json says {cfg.n_layers} layers)")
+                shape = tuple(st.get_slice(hf_name).get_shape())
+                if shape != tuple(expected[name].shape):
+                    raise SmeltError(f"{f.name}: {hf_name} has shape {shape}, config.json implies "
+                                     f"{tuple(expected[name].shape)}")
+                index[name] = (f, hf_name)
+    missing = sorted(set(expected) - set(index))
     if missing:
         raise SmeltError(f"{model_dir}: checkpoint is missing {missing[0]}"
                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    return loaded
+    return index
 
 
 @torch.no_grad()
-def copy_state_into(model: Transformer, state: dict[str, torch.Tensor]) -> None:
-    """Copy full tensors into the model's parameters, which may be FSDP2 DTensor shards."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    for name, t in state.items():
-        copy_into(params[name], t.to(params[name].dtype))
+def load_into(model: Transformer, model_dir: str | Path) -> None:
+    """Fill a materialised model, plain or FSDP2-sharded, from an HF directory, in the model's dtypes.
+
+    Each parameter's local part is read as a safetensors slice, so a rank reads its own shards and never
+    the whole model (peak memory per rank shrinks with the rank count). A NaN/inf weight or a truncated
+    file is refused naming it, on every rank at once (a collective when distributed).
+    """
+    model_dir = Path(model_dir)
+    index = _hf_index(model_dir, model.cfg)
+    params = dict(model.named_parameters())  # a tied output head is the embedding: loaded once
+    by_file: dict[Path, list[str]] = {}
+    for name in params:
+        by_file.setdefault(index[name][0], []).append(name)
+    error = None
+    try:
+        for f, names in by_file.items():
+            with open_safetensors(f) as st:
+                for name in names:
+                    dst = local(params[name])
+                    if dst.numel() == 0:  # an uneven shard can be empty on the last ranks
+                        continue
+                    t = st.get_slice(index[name][1])[local_slices(params[name])]
+                    check_finite(index[name][1], t, f)
+                    dst.copy_(t.to(dst.dtype))
+    except SmeltError as e:
+        error = str(e)
+    error = first_error(error)
+    if error:
+        raise SmeltError(error)
 
 
 def load_hf(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
@@ -162,13 +188,12 @@ def load_hf(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: s
     if not model_dir.is_dir():
         raise SmeltError(f"model directory {model_dir} does not exist")
     cfg = config_from_hf(read_hf_config(model_dir))
-    state = read_hf_state(model_dir, cfg, dtype)
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(cfg).to(dtype)
     model = model.to_empty(device=device)
-    model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_embeddings:
+    if cfg.tie_embeddings:  # to_empty gives each module its own new parameter
         model.output.weight = model.tok_embeddings.weight
+    load_into(model, model_dir)
     model.init_rope(device)
     return model
 

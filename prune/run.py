@@ -166,7 +166,8 @@ def _parse_args(argv):
     ap.add_argument("--calib-seq-len", type=int, default=CalibConfig.seq_len)
     ap.add_argument("--calib-batch-size", type=int, default=CalibConfig.batch_size)
     ap.add_argument("--calib-corpus", default=CalibConfig.corpus,
-                    help="training corpus, or a '+'-joined mix such as wikitext2-valid+code-train+zh-train")
+                    help="training corpus or a '+'-joined mix (wikitext2-valid+code-train+zh-train), a local "
+                         "text/jsonl/parquet file or folder, or hf:<dataset>")
     ap.add_argument("--seed", type=int, default=CalibConfig.seed)
     ap.add_argument("--blocksize", type=int, default=128, help="SparseGPT column block")
     ap.add_argument("--percdamp", type=float, default=0.01, help="Hessian dampening, fraction of mean(diag H)")

@@ -197,11 +197,12 @@ def init_scales(model: nn.Module) -> list[str]:
 @torch.no_grad()
 def freeze(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """{module name: (int8 codes [out, in], fp32 scale [out, n_groups], int8 zero point or None)} for
-    export; dequantize() of these equals the weight the forward used. Collective under FSDP2."""
+    export, on the CPU (the codes of a large model need not sit on the accelerator); dequantize() of these
+    equals the weight the forward used. Collective under FSDP2."""
     out = {}
     for name, m in fake_quant_modules(model).items():
         w = full(m.weight.detach()).float()
         scale = full(m.weight_scale.detach()).float().clamp_min(torch.finfo(torch.float32).eps)
         zp = m.weight_zero_point
-        out[name] = (quantize(w, scale, zp, m.spec), scale.clone(), None if zp is None else zp.clone())
+        out[name] = (quantize(w, scale, zp, m.spec).cpu(), scale.cpu(), None if zp is None else zp.detach().to("cpu", copy=True))
     return out

@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calib-windows", type=int, default=128)
     ap.add_argument("--calib-seq-len", type=int, default=512)
     ap.add_argument("--calib-corpus", default=CalibConfig.corpus,
-                    help="training corpus, or a '+'-joined mix such as wikitext2-valid+code-train+zh-train")
+                    help="training corpus or a '+'-joined mix (wikitext2-valid+code-train+zh-train), a local "
+                         "text/jsonl/parquet file or folder, or hf:<dataset>")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     ap.add_argument("--overwrite", action="store_true")

@@ -6,7 +6,6 @@ import torch
 
 from core.data import (
     CODE_FILES,
-    TokenStream,
     calibration_windows,
     corpus_record,
     corpus_tokens,
@@ -46,28 +45,6 @@ def test_eval_windows_come_from_the_bucket_text(byte_tokenizer):
 def test_code_bucket_records_its_files():
     rec = corpus_record("code")
     assert rec["files"] == [f"code/python311/{f}" for f in CODE_FILES] and len(rec["sha256"]) == 64
-
-
-def test_token_stream_resumes_at_the_same_sample(byte_tokenizer):
-    s = TokenStream.from_corpus(byte_tokenizer, seq_len=32, seed=3)
-    s.next_batch(5)
-    state = s.state_dict()
-    want = s.next_batch(4)
-    r = TokenStream.from_corpus(byte_tokenizer, seq_len=32, seed=3)
-    r.load_state_dict(state)
-    assert torch.equal(r.next_batch(4), want)
-    assert want.shape == (4, 33) and (want[:, 0] == 1).all()
-
-
-def test_training_streams_mix_corpora_but_never_eval_text(byte_tokenizer):
-    from core.data import CODE_TRAIN_FILES
-
-    assert not set(CODE_TRAIN_FILES) & set(CODE_FILES)  # the code eval bucket is never trained on
-    mixed = TokenStream.from_corpus(byte_tokenizer, seq_len=32, corpus="wikitext2-valid+code-train")
-    plain = TokenStream.from_corpus(byte_tokenizer, seq_len=32)
-    assert mixed.n_chunks > plain.n_chunks
-    with pytest.raises(SmeltError, match="'zh' is not allowed"):
-        TokenStream.from_corpus(byte_tokenizer, seq_len=32, corpus="wikitext2-valid+zh")
 
 
 def test_pku_tags_are_stripped():

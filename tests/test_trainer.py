@@ -6,12 +6,14 @@ the runs are shared through module fixtures.
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -86,6 +88,30 @@ def _kl_to_teacher(dirs: Path, model_dir: Path) -> float:
     return report["buckets"]["en"]["kl_mean"]
 
 
+def _ranks_of(folder: Path) -> list[int]:
+    """pids of live train.run processes working on `folder`."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"train.run" in cmd and str(folder).encode() in cmd:
+            pids.append(int(d.name))
+    return pids
+
+
+def _kill_run(proc: subprocess.Popen, folder: Path) -> None:
+    """SIGKILL to the ranks working on `folder`, then to torchrun; returns once none is left."""
+    for pid in _ranks_of(folder):
+        os.kill(pid, signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 30
+    while _ranks_of(folder) and time.time() < deadline:
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def straight_run(dirs):
     proc = torchrun(dirs, "straight", "--training.steps", "8")
@@ -125,8 +151,7 @@ def test_resume_after_kill9_is_bit_identical(dirs, straight_run):
     deadline = time.time() + 180
     while not target.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    _kill_run(proc, dirs / name)  # launcher and ranks together, hard (each rank is its own session)
     assert target.exists() and not (dirs / f"{name}-out").exists()
     resumed = torchrun(dirs, name, "--training.steps", "8")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -156,6 +181,45 @@ def test_sigterm_checkpoints_and_exits_within_30s(dirs):
     assert time.time() - sent < 30
     steps = [p for p in (dirs / name / "checkpoint").glob("step-*") if (p / ".metadata").exists()]
     assert len(steps) == 1 and int(steps[0].name.split("-")[1]) >= 3  # saved on the signal only
+
+
+def test_one_live_run_per_dump_folder_and_ranks_stop_with_their_launcher(dirs):
+    name = "locked"
+    folder = dirs / name
+    cmd = LAUNCH[:-1] + ["debug_distill", "--student", str(dirs / "student"), "--teacher", str(dirs / "teacher"),
+                         "--dump_folder", str(folder), "--training.steps", "100000",
+                         "--checkpoint.interval", "100000"]
+    first = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+    log = []
+    for line in first.stdout:  # wait until training is really stepping
+        log.append(line)
+        if "step:  2" in line:
+            break
+    drain = threading.Thread(target=lambda: log.extend(first.stdout), daemon=True)
+    drain.start()
+    try:
+        second = torchrun(dirs, name, "--training.steps", "8")
+        lines = second.stderr.splitlines()
+        assert second.returncode == 2 and len(lines) == 1, second.stderr[-2000:]
+        assert f"--dump_folder {folder} is in use by a live run (pid " in lines[0]
+        # kill -9 of the launcher alone (it exec'd torchrun: same pid) must not leave its ranks training.
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+        deadline = time.time() + 60
+        while _ranks_of(folder) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not _ranks_of(folder), "".join(log)[-3000:]
+    finally:
+        for pid in _ranks_of(folder):
+            os.kill(pid, signal.SIGKILL)
+    saved = [p for p in (folder / "checkpoint").glob("step-*") if (p / ".metadata").exists()]
+    assert len(saved) == 1, "".join(log)[-3000:]  # the orphaned ranks checkpointed their step, then stopped
+    # The dead run's lock is taken over: the same folder resumes and finishes.
+    step = int(saved[0].name.split("-")[1])
+    third = torchrun(dirs, name, "--training.steps", str(step + 1))
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "Loading the checkpoint" in third.stdout + third.stderr
 
 
 def test_nan_loss_stops_with_a_message_and_keeps_the_checkpoint(dirs):
@@ -219,11 +283,9 @@ def test_bad_trainer_config_is_refused(dirs, tmp_path):
     cfg.student, cfg.teacher = str(dirs / "student"), str(tmp_path / "t300")
     with pytest.raises(SmeltError, match="vocab_size 300 != --student vocab_size 260"):
         SmeltTrainer(cfg)
-    from train.config_registry import debug_qat
-
-    cfg = debug_qat()
-    cfg.student, cfg.training.mixed_precision_param = str(dirs / "student"), "bfloat16"
-    with pytest.raises(SmeltError, match="fake_quant needs --training.mixed_precision_param float32, not 'bfloat16'"):
+    cfg = debug_distill()
+    cfg.student, cfg.teacher = str(dirs / "student"), str(tmp_path / "no-teacher")
+    with pytest.raises(SmeltError, match="--teacher: teacher .*no-teacher.* is neither"):
         SmeltTrainer(cfg)
 
 
@@ -264,7 +326,10 @@ def test_qat_through_the_trainer_keeps_2of4_and_exports_on_grid(dirs, tmp_path):
 @pytest.mark.parametrize("args, named", [
     (["--config", "no_such_config"], "'no_such_config'"),
     (["--config", "debug_distill", "--training.foo", "1"], "--training.foo"),
-], ids=["unknown-config", "unknown-key"])
+    (["--config", "debug_distill", "--training.global_batch_size", "3"],
+     "--training.global_batch_size 3 is not a multiple of --training.local_batch_size 2 x data-parallel degree 2"),
+    (["--config", "debug_distill", "--teacher", "/nonexistent/teacher"], "--teacher: "),
+], ids=["unknown-config", "unknown-key", "global-batch", "missing-teacher"])
 def test_bad_launch_is_one_line_before_any_rank_starts(dirs, tmp_path, args, named):
     cmd = LAUNCH[:-2] + args + ["--student", str(dirs / "student"), "--dump_folder", str(tmp_path / "run")]
     proc = subprocess.run(cmd, check=False, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
@@ -274,3 +339,36 @@ def test_bad_launch_is_one_line_before_any_rank_starts(dirs, tmp_path, args, nam
     if "no_such_config" in named:  # only the registry's own config functions are offered
         assert "debug_distill" in lines[0] and "parallelize" not in lines[0] and "default_adamw" not in lines[0]
     assert not (tmp_path / "run").exists()  # no rank ever started
+
+
+def test_wandb_offline_run_holds_training_and_evaluation_and_survives_a_requeue(dirs):
+    from wandb_records import read_run
+
+    name = "tracked"
+    env = dict(_env(), WANDB_MODE="offline", SLURM_JOB_ID="4242", WANDB_RUN_GROUP="recipe-x",
+               WANDB_RUN_JOB_TYPE="recover", PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}")
+    base = LAUNCH[:-1] + ["debug_distill", "--student", str(dirs / "student"), "--teacher", str(dirs / "teacher"),
+                          "--dump_folder", str(dirs / name), "--export_dir", str(dirs / f"{name}-out")]
+    for steps in ("2", "4"):  # the second run is the requeued job: same job id, resumes from step 2
+        proc = subprocess.run(base + ["--training.steps", steps], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    report = dirs / f"{name}-out" / "eval.json"
+    proc = subprocess.run([sys.executable, "-m", "eval.evaluate", "--model", str(dirs / f"{name}-out"),
+                           "--teacher", str(dirs / "teacher"), "--windows", "en=2", "--seq-len", "32",
+                           "--out", str(report), "--wandb"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = sorted(dirs.glob(f"{name}*/**/offline-run-*/run-*.wandb"))
+    runs = [read_run(f) for f in files]
+    assert len(runs) == 3 and {r["run"]["id"] for r in runs} == {"smelt-4242"}  # one run, resumed twice
+    assert {r["run"]["group"] for r in runs} == {"recipe-x"}
+    train_rows = [row for r in runs for row in r["history"] if "loss_metrics/global_avg_loss" in row]
+    assert sorted(row["_step"] for row in train_rows) == [1, 2, 3, 4]  # the requeued run continued at 3
+    for key in ("lr", "throughput(tps)", "loss_metrics/kd", "grad_norm"):
+        assert any(key in row for r in runs for row in r["history"]), key
+    evaluated = json.loads(report.read_text())["buckets"]["en"]
+    summary = runs[-1]["summary"] if "eval/en/kl_mean" in runs[-1]["summary"] else {
+        k: v for r in runs for k, v in r["summary"].items()}
+    assert summary["eval/en/kl_mean"] == pytest.approx(evaluated["kl_mean"])
+    assert summary["eval/table/nrows"] == 1

@@ -11,6 +11,7 @@ from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import CommConfig, DebugConfig, ParallelismConfig, TrainingConfig
+from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.protocols.model_spec import ModelSpec
 
 from qat.fake_quant import FakeQuantConfig
@@ -25,7 +26,7 @@ def _model_spec() -> ModelSpec:
 
 
 def _config(*, steps: int, batch: int, seq_len: int, lr: float, warmup: int, interval: int,
-            dtype: str = "float32") -> SmeltTrainer.Config:
+            dtype: str = "float32", deterministic: bool = True) -> SmeltTrainer.Config:
     # No weight decay: recovery and QAT stay near the teacher, decay would pull weights towards 0.
     opt = default_adamw(lr=lr, weight_decay=0.0)
     opt.implementation = "foreach"
@@ -34,7 +35,7 @@ def _config(*, steps: int, batch: int, seq_len: int, lr: float, warmup: int, int
         dump_folder="runs/train",
         hf_assets_path="",  # filled from --student (or --teacher) by SmeltTrainer
         tokenizer=HFTokenizer.Config(),
-        dataloader=StreamDataLoader.Config(corpus="wikitext2-valid", seed=0),
+        dataloader=StreamDataLoader.Config(source="wikitext2-valid", seed=0),
         loss=KDLoss.Config(kind="forward_kl", temperature=1.0),
         optimizer=opt,
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=warmup, decay_type="cosine", min_lr_factor=0.1),
@@ -44,9 +45,10 @@ def _config(*, steps: int, batch: int, seq_len: int, lr: float, warmup: int, int
         checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", interval=interval,
                                             last_save_model_only=False, keep_latest_k=2),
         activation_checkpoint=None,
-        metrics=MetricsProcessor.Config(log_freq=1, disable_color_printing=True, enable_wandb=False),
+        # wandb on everywhere; offline unless WANDB_MODE=online (core.tracking sets the run's identity).
+        metrics=MetricsProcessor.Config(log_freq=1, disable_color_printing=True, enable_wandb=True),
         comm=CommConfig(trace_buf_size=0),
-        debug=DebugConfig(seed=0, deterministic=True),
+        debug=DebugConfig(seed=0, deterministic=deterministic),
     )
 
 
@@ -62,14 +64,32 @@ MIXED_CORPUS = "wikitext2-valid+code-train+zh-train"
 def smollm2_recover() -> SmeltTrainer.Config:
     """Recovery distillation of a pruned SmolLM2-135M on the mixed corpus, sized for a CPU."""
     cfg = _config(steps=120, batch=2, seq_len=256, lr=1e-4, warmup=10, interval=40)
-    cfg.dataloader.corpus = MIXED_CORPUS
+    cfg.dataloader.source = MIXED_CORPUS
     cfg.training.global_batch_size = 4  # 4 x 256 tokens per step whatever the rank count
     return cfg
 
 
 def h100_recover() -> SmeltTrainer.Config:
-    """The same recovery on a GPU node: bf16 parameters, longer sequences, more steps."""
-    return _config(steps=2000, batch=16, seq_len=2048, lr=2e-4, warmup=100, interval=250, dtype="bfloat16")
+    """The same recovery on H100 nodes: bf16 compute (fp32 masters and reductions), full activation
+    checkpointing, not deterministic (deterministic kernels cost speed); `--compile.enable` compiles blocks.
+    Global batch 128 x 2048 tokens whatever the node count (gradient accumulation fills it)."""
+    cfg = _config(steps=2000, batch=8, seq_len=2048, lr=2e-4, warmup=100, interval=250, dtype="bfloat16",
+                  deterministic=False)
+    cfg.training.global_batch_size = 128
+    cfg.dataloader.source = MIXED_CORPUS
+    cfg.activation_checkpoint = FullAC.Config()
+    cfg.optimizer.implementation = "fused"  # one kernel per step on CUDA (foreach on CPU runs)
+    return cfg
+
+
+def h100_qat() -> SmeltTrainer.Config:
+    """W4 g128 symmetric QAT on H100 nodes: bf16 compute, the quantization arithmetic on fp32 weights."""
+    cfg = h100_recover()
+    cfg.training.steps, cfg.lr_scheduler.warmup_steps = 1000, 50
+    cfg.optimizer.param_groups[0].optimizer_kwargs["lr"] = 2e-5
+    cfg.model_spec.model.fake_quant = FakeQuantConfig(enable=True, bits=4, symmetric=True, group_size=128,
+                                                      scale_init="mse", learn_scale=True)
+    return cfg
 
 
 def debug_diverge() -> SmeltTrainer.Config:
@@ -93,7 +113,7 @@ def smollm2_qat() -> SmeltTrainer.Config:
     # lr 6e-5: measured over 2e-5 at 300 steps (en KL 0.104 vs 0.125, P99 0.658 vs 0.786; README).
     cfg = _config(steps=300, batch=2, seq_len=256, lr=6e-5, warmup=10, interval=50)
     cfg.training.global_batch_size = 4
-    cfg.dataloader.corpus = MIXED_CORPUS
+    cfg.dataloader.source = MIXED_CORPUS
     cfg.model_spec.model.fake_quant = FakeQuantConfig(enable=True, bits=4, symmetric=True, group_size=64,
                                                       scale_init="mse", learn_scale=True)
     return cfg

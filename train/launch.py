@@ -21,7 +21,10 @@ import io
 import os
 import sys
 
+import torch
+
 from core.errors import ArgumentParser, SmeltError, run_cli
+from core.runlock import check_free
 from train.run import parse_config
 
 USAGE = "python -m train.launch [--nproc N] -- --module train.config_registry --config NAME [overrides]"
@@ -60,8 +63,30 @@ def torchrun_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return out, argv[i + 1:]
 
 
+def check_world(config, nproc: int, nnodes: str) -> None:
+    """What only the launcher knows: the ranks it will start against the GPUs and the batch."""
+    if torch.cuda.is_available() and nproc > torch.cuda.device_count():
+        raise SmeltError(f"--nproc {nproc}: this node has {torch.cuda.device_count()} GPU(s)")
+    alloc = os.environ.get("SLURM_GPUS_ON_NODE")
+    if alloc and alloc.isdigit() and torch.cuda.is_available() and nproc > int(alloc):
+        raise SmeltError(f"--nproc {nproc}: the Slurm allocation has {alloc} GPU(s) per node")
+    if not nnodes.isdigit():
+        return  # an elastic range (min:max): the world size is known only at rendezvous
+    world = nproc * int(nnodes)
+    par = config.parallelism
+    model_par = par.tensor_parallel_degree * par.pipeline_parallel_degree * par.context_parallel_degree
+    if world % model_par:
+        raise SmeltError(f"{world} ranks do not divide by tensor x pipeline x context parallel = {model_par}")
+    dp, tr = world // model_par, config.training
+    if tr.global_batch_size > 0 and tr.global_batch_size % (tr.local_batch_size * dp):
+        raise SmeltError(f"--training.global_batch_size {tr.global_batch_size} is not a multiple of "
+                         f"--training.local_batch_size {tr.local_batch_size} x data-parallel degree {dp}")
+
+
 def main() -> None:
-    torchrun, run_args = torchrun_args(sys.argv[1:])
+    argv = sys.argv[1:]
+    torchrun, run_args = torchrun_args(argv)
+    opts = _parser().parse_args(argv[:argv.index("--")])
     # The ranks print the parse's warnings themselves; here only a failure is reported (one line).
     with contextlib.redirect_stderr(io.StringIO()):
         config = parse_config(run_args)
@@ -69,6 +94,8 @@ def main() -> None:
         from train.trainer import check_config
 
         check_config(config)
+    check_world(config, opts.nproc, opts.nnodes)
+    check_free(config.dump_folder)  # a live run on this folder: refused before any rank starts
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun, "-m", "train.run", *run_args]
     sys.stdout.flush()
     sys.stderr.flush()

@@ -12,16 +12,19 @@ SmeltError with a one-line message.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import inspect
 import io
 import os
+import signal
 import sys
 from types import ModuleType
 
 import torch
 
 from core.errors import SmeltError, one_line, run_cli
+from core.tracking import wandb_env
 from train import cpu_shims
 
 try:  # tyro's parse-error hook (private, experimental); without it the error box is shortened instead
@@ -30,16 +33,19 @@ except ImportError:  # pragma: no cover
     tyro_errors = None
 
 
-def _wandb_env() -> None:
-    # Offline unless the user configured otherwise; a requeued Slurm job keeps the same wandb run.
-    os.environ.setdefault("WANDB_MODE", "offline")
-    job = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
-    if job and "WANDB_RUN_ID" not in os.environ:
-        task = os.environ.get("SLURM_ARRAY_TASK_ID", "")
-        os.environ["WANDB_RUN_ID"] = f"smelt-{job}{'-' + task if task else ''}"
-        os.environ.setdefault("WANDB_RESUME", "allow")
-    os.environ.setdefault("WANDB_RUN_NAME", os.environ.get("SLURM_JOB_NAME", "smelt"))
-    os.environ.setdefault("WANDB_PROJECT", "smelt")
+def exit_with_launcher(sig: int = signal.SIGTERM) -> None:
+    """Have the kernel send `sig` to this rank when its parent (torchrun) dies, even by kill -9.
+
+    SIGTERM takes the trainer's checkpoint-and-exit path, so an orphaned rank saves its step and stops
+    instead of training on into a dump folder that a resumed run may already be using.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if os.getppid() == 1:  # the launcher died before the line above ran
+        os.kill(os.getpid(), sig)
 
 
 def config_names(module: ModuleType) -> list[str]:
@@ -133,8 +139,10 @@ def parse_config(args: list[str]):
 
 
 def main() -> None:
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: its launcher's death is its own
+        exit_with_launcher()
     cpu_shims.apply()  # before torchtitan is imported; a no-op when a GPU is present
-    _wandb_env()
+    wandb_env()
     # Here, not at the top: these import torchtitan, which must come after the shims.
     from torchtitan.observability import structured_logger as sl
     from torchtitan.tools.logging import init_logger

@@ -5,6 +5,7 @@ torchtitan builds the model on the meta device, calls `parallelize` (FSDP2), mat
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,12 +18,11 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.protocols.model import BaseModel
 from torchtitan.tools.logging import logger
 
-from core.data import TokenStream, split_corpora
-from core.errors import SmeltError
+from core.text_source import PackedTextStream, TextSourceConfig
 from distill.losses import DistillLoss, DistillLossConfig
-from models.hf_io import config_from_hf, copy_state_into, load_tokenizer, read_hf_config, read_hf_state
+from models.hf_io import config_from_hf, load_into, load_tokenizer, read_hf_config
 from models.llama import LlamaConfig, Transformer
-from qat.fake_quant import FakeQuantConfig, init_scales, swap_to_fake_quant
+from qat.fake_quant import FakeQuantConfig, FakeQuantLinear, init_scales, swap_to_fake_quant
 from qat.qparams import load_qparams_into
 
 
@@ -68,8 +68,11 @@ class SmeltModel(BaseModel):
 
     @torch.no_grad()
     def init_weights(self, buffer_device=None, **kwargs) -> None:
+        inner = self.inner
+        if inner.cfg.tie_embeddings and inner.output.weight is not inner.tok_embeddings.weight:
+            inner.output.weight = inner.tok_embeddings.weight  # to_empty without FSDP (one rank) unties them
         if self.config.init_from:
-            copy_state_into(self.inner, read_hf_state(self.config.init_from, self.inner.cfg))
+            load_into(self.inner, self.config.init_from)  # this rank's shards only
             self.inner.init_rope(buffer_device or self.inner.tok_embeddings.weight.device)
         else:
             self.inner.init_weights(buffer_device=buffer_device, seed=self.config.seed)
@@ -90,8 +93,19 @@ def fsdp_mesh(parallel_dims):
 
 
 def shard_model(module: torch.nn.Module, blocks, mesh, mp: MixedPrecisionPolicy, gloo: bool) -> None:
-    """FSDP2: each block its own unit, then the root (embeddings, norm, head)."""
+    """FSDP2: each block its own unit, then the root (embeddings, norm, head).
+
+    Fake-quantized linears get their own unit gathering fp32 weights whatever the compute dtype: they
+    quantize the fp32 master weight (the codes the export writes) and only the dequantized weight meets
+    the bf16 activations. A bf16 gather would round the weights first and train other codes.
+    """
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                cast_forward_inputs=False)
     for blk in blocks:
+        if mp.param_dtype not in (None, torch.float32):
+            for m in blk.modules():
+                if isinstance(m, FakeQuantLinear):
+                    fully_shard(m, mesh=mesh, mp_policy=fp32)
         fully_shard(blk, mesh=mesh, mp_policy=mp)
     fully_shard(module, mesh=mesh, mp_policy=mp)
     for m in module.modules():
@@ -143,45 +157,37 @@ class HFTokenizer(BaseTokenizer):
 
 
 class StreamDataLoader(BaseDataLoader):
-    """Packed BOS-led windows from a training corpus; every rank reads its slice of one global order.
+    """Packed BOS-led windows from a text source (core.text_source: project corpora, local files, or a hub
+    dataset), streamed with `datasets`, split between data-parallel ranks, tokenized on the fly.
 
     The stream position is checkpointed (per-rank key so DCP keeps each rank's copy), so a resumed run
     continues at exactly the same sample.
     """
 
     @dataclass(kw_only=True, slots=True)
-    class Config(BaseDataLoader.Config):
-        corpus: str = "wikitext2-valid"
-        seed: int = 0
-
-        def __post_init__(self):  # checked when the config is parsed, so train.launch refuses it before ranks
-            try:
-                split_corpora(self.corpus)
-            except SmeltError as e:
-                raise SmeltError(f"--dataloader.corpus: {e}") from None
+    class Config(BaseDataLoader.Config, TextSourceConfig):
+        """core.text_source.TextSourceConfig's fields and checks (at parse time, so train.launch refuses a
+        bad source before any rank starts), as torchtitan's `--dataloader.*` section."""
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
                  local_batch_size: int, snapshot_every_n_steps=None):
-        self.dp_world_size, self.dp_rank, self.bs = dp_world_size, dp_rank, local_batch_size
-        self.stream = TokenStream.from_corpus(tokenizer.hf, seq_len, seed=config.seed, corpus=config.corpus)
+        self.bs = local_batch_size
+        self.stream = PackedTextStream(config, tokenizer.hf, seq_len, dp_rank=dp_rank, dp_world_size=dp_world_size)
         self._key = f"dp_rank_{dp_rank}"
 
     def __iter__(self):
         while True:
-            batch = self.stream.next_batch(self.bs * self.dp_world_size)
-            mine = batch[self.dp_rank * self.bs:(self.dp_rank + 1) * self.bs]
-            yield {"input": mine[:, :-1]}, mine[:, 1:]
+            batch = self.stream.next_batch(self.bs)
+            yield {"input": batch[:, :-1]}, batch[:, 1:]
 
     def state_dict(self) -> dict[str, Any]:
-        return {self._key: self.stream.state_dict(), "world_size": self.dp_world_size}
+        # One JSON string per rank: DCP loads into the current state's structure, and the stream's state
+        # (shuffle buffer, datasets position) changes shape as it runs. JSON, not pickle: nothing to unpickle.
+        return {self._key: json.dumps(self.stream.state_dict())}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not state or self._key not in state:
-            return
-        if state["world_size"] != self.dp_world_size:
-            raise RuntimeError(f"dataloader state was saved with {state['world_size']} data-parallel ranks, "
-                               f"this run has {self.dp_world_size}; resume needs the same layout")
-        self.stream.load_state_dict(state[self._key])
+        if state and self._key in state:
+            self.stream.load_state_dict(json.loads(state[self._key]))  # refuses another source or layout
 
 
 class KDLoss(BaseLoss):

@@ -11,7 +11,9 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,8 +30,10 @@ from core.artifact import parent_record, write_manifest
 from core.dtensor import full, local
 from core.errors import SmeltError
 from core.files import atomic_dir
+from core.device import peak_rss_gib
 from core.masks import load_masks, save_masks
-from models.hf_io import config_from_hf, load_hf, load_tokenizer, read_hf_config, save_hf
+from core.runlock import RunLock
+from models.hf_io import config_from_hf, load_into, load_tokenizer, read_hf_config, save_hf
 from models.llama import Transformer
 from models.teacher import resolve_teacher
 from qat.fake_quant import fake_quant_modules, freeze
@@ -47,16 +51,16 @@ def check_config(config: SmeltTrainer.Config) -> None:
     """The checks that need no model or process group (train.launch runs them before the ranks start)."""
     if not config.student or not Path(config.student).is_dir():
         raise SmeltError(f"--student {config.student!r}: artifact directory does not exist")
+    if config.teacher:
+        try:
+            resolve_teacher(config.teacher, download=False)
+        except SmeltError as e:
+            raise SmeltError(f"--teacher: {e}") from None
     ck = config.checkpoint
     if ck.enable and ck.load_step > 0:
         step_dir = Path(config.dump_folder) / ck.folder / f"step-{ck.load_step}"
         if not (step_dir / ".metadata").is_file():
             raise SmeltError(f"--checkpoint.load_step {ck.load_step}: no checkpoint at {step_dir}")
-    if config.model_spec.model.fake_quant.enable and config.training.mixed_precision_param != "float32":
-        # A bf16 forward would round the weights before quantizing, and the exported codes (from the fp32
-        # masters) would then differ from the ones trained.
-        raise SmeltError(f"fake_quant needs --training.mixed_precision_param float32, not "
-                         f"{config.training.mixed_precision_param!r}")
 
 
 class SmeltTrainer(Trainer):
@@ -83,9 +87,11 @@ class SmeltTrainer(Trainer):
         if not config.hf_assets_path:  # the tokenizer travels with the student (or the teacher)
             has_tok = (Path(config.student) / "tokenizer.json").is_file()
             config.hf_assets_path = str(config.student if has_tok or not teacher_dir else teacher_dir)
+        # One live run per dump folder (rank 0 holds the lock until it exits; a dead holder's lock is free).
+        self._run_lock = RunLock(config.dump_folder).acquire() if int(os.environ.get("RANK", "0")) == 0 else None
         self._stop_requested = False
         self._step_metrics: dict[str, torch.Tensor] = {}
-        self._loss_finite = True
+        self._loss_finite: torch.Tensor | None = None
         super().__init__(config)
         self.teacher_dir = teacher_dir
         self.student = self.model_parts[0].inner
@@ -102,57 +108,84 @@ class SmeltTrainer(Trainer):
                 signal.signal(s, self._on_signal)
         logger.info("student %s (%d masked modules), teacher %s", config.student, len(self.masks),
                     teacher_dir or "none (cross-entropy)")
+        # Per rank: shrinks with the rank count, as each rank reads only its shards (train.bench_load).
+        logger.info("rank %d loaded: peak RSS %.3f GiB%s", int(os.environ.get("RANK", "0")), peak_rss_gib(),
+                    f", peak device memory {torch.cuda.max_memory_allocated() / 2**30:.3f} GiB"
+                    if self.device.type == "cuda" else "")
 
     def _build_teacher(self, teacher_dir: Path) -> Transformer:
-        teacher = load_hf(teacher_dir).to(self.device)
+        """The frozen teacher, built like the student: on the meta device, sharded, then each rank reads
+        only its shards. Stored in the compute dtype (bf16 on GPU recipes: half the memory; fp32 here)."""
+        cfg = config_from_hf(read_hf_config(teacher_dir))
+        dtype = TORCH_DTYPE_MAP[self.config.training.mixed_precision_param]
+        with torch.device("meta"):
+            teacher = Transformer(cfg).to(dtype)
         teacher.requires_grad_(False).eval()
         if self.parallel_dims.fsdp_enabled:
-            tr = self.config.training
-            mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[tr.mixed_precision_param],
-                                      reduce_dtype=TORCH_DTYPE_MAP[tr.mixed_precision_reduce])
+            mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
             shard_model(teacher, teacher.layers.values(), fsdp_mesh(self.parallel_dims), mp,
                         gloo=self.device.type == "cpu")
+        teacher.to_empty(device=self.device)
+        if cfg.tie_embeddings and teacher.output.weight is not teacher.tok_embeddings.weight:
+            teacher.output.weight = teacher.tok_embeddings.weight  # plain to_empty unties; FSDP2 keeps it
+        load_into(teacher, teacher_dir)
+        teacher.init_rope(self.device)
         return teacher
+
+    def _autocast(self):
+        """bf16 compute without FSDP (one device): torchtitan casts parameters only through fully_shard."""
+        dtype = TORCH_DTYPE_MAP[self.config.training.mixed_precision_param]
+        if self.parallel_dims.fsdp_enabled or dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
 
     # ---- one step ------------------------------------------------------------------------------
     def _forward_backward_body(self, inputs, labels, global_valid_tokens, extra_kwargs):
         with self.train_context():
-            pred = self.model_parts[0](inputs, **extra_kwargs)
-            teacher_logits = None
-            if self.teacher is not None:
-                with torch.no_grad():
-                    teacher_logits = self.teacher(inputs)
+            with self._autocast():
+                pred = self.model_parts[0](inputs, **extra_kwargs)
+                teacher_logits = None
+                if self.teacher is not None:
+                    with torch.no_grad():
+                        teacher_logits = self.teacher(inputs)
             loss, metrics = self.loss_fn(pred, labels, global_valid_tokens, teacher_logits=teacher_logits)
             del pred, teacher_logits
             with spmd.no_typecheck():
                 loss.backward()
         self.masks.apply_to_grads()
-        self._loss_finite = self._loss_finite and bool(torch.isfinite(loss.detach()).item())
+        finite = torch.isfinite(loss.detach()).all()  # a tensor: no device sync per micro-batch
+        self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
         for k, v in metrics.items():
             self._step_metrics[k] = v.detach().float()
         return loss
 
     def _before_optimizer_step(self, optimizer, args, kwargs):
-        grads_finite = all(bool(torch.isfinite(local(p.grad)).all())
-                           for g in optimizer.param_groups for p in g["params"] if p.grad is not None)
-        ok = torch.tensor([int(self._loss_finite), int(grads_finite)], dtype=torch.int32)
+        grads = [torch.isfinite(local(p.grad)).all()
+                 for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        one = torch.ones((), dtype=torch.bool, device=self.device)
+        loss_ok = one if self._loss_finite is None else self._loss_finite.to(self.device)
+        grads_ok = torch.stack(grads).all().to(self.device) if grads else one
+        # On the trainer's device: NCCL reduces only CUDA tensors.
+        ok = torch.stack([loss_ok, grads_ok]).to(torch.int32)
         if dist.is_initialized():
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        self._loss_finite = True
-        if not ok.all():
-            what = "loss is NaN/inf" if not ok[0] else "a gradient is NaN/inf"
+        self._loss_finite = None
+        loss_ok, grads_ok = ok.tolist()  # the one device sync of the check
+        if not (loss_ok and grads_ok):
+            what = "loss is NaN/inf" if not loss_ok else "a gradient is NaN/inf"
             raise TrainingStopped(f"step {self.step}: {what}; stopped before the optimizer step "
                                   f"(the last checkpoint is unchanged)")
 
     def _after_optimizer_step(self, optimizer, args, kwargs):
         self.masks.apply_to_weights()
         if self._step_metrics and self.metrics_processor.should_log(self.step):
-            vals = torch.stack(list(self._step_metrics.values()))
+            vals = torch.stack(list(self._step_metrics.values())).to(self.device)
             if dist.is_initialized():
                 dist.all_reduce(vals)
                 vals /= dist.get_world_size()
-            self.metrics_processor.logger.log(
-                {f"loss_metrics/{k}": float(v) for k, v in zip(self._step_metrics, vals)}, self.step)
+            logged = {f"loss_metrics/{k}": float(v) for k, v in zip(self._step_metrics, vals)}
+            logged["lr"] = self.lr_schedulers.schedulers[0].get_last_lr()[0]  # the rate this step used
+            self.metrics_processor.logger.log(logged, self.step)
         self._step_metrics = {}
 
     # ---- preemption ----------------------------------------------------------------------------
@@ -161,7 +194,7 @@ class SmeltTrainer(Trainer):
         self._stop_requested = True
 
     def should_continue_training(self) -> bool:
-        flag = torch.tensor([int(self._stop_requested)], dtype=torch.int32)
+        flag = torch.tensor([int(self._stop_requested)], dtype=torch.int32, device=self.device)
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank must take the same branch
         if flag.item():
@@ -188,10 +221,21 @@ class SmeltTrainer(Trainer):
         A QAT student is written as its fake-quantized weights (so the artifact's logits are the
         quantized model's) plus qparams.safetensors with the scales the release packs.
         """
-        weights = {name: full(p).detach().float().cpu() for name, p in self.student.named_parameters()}
+        # Gathered one tensor at a time (collectives) and kept on rank 0 only: the other ranks never hold
+        # the whole model.
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        weights, masks = {}, {}
+        for name, p in self.student.named_parameters():
+            t = full(p.detach())
+            if rank0:
+                weights[name] = t.float().cpu()
+            del t
+        for n, _, m in self.masks.pairs:
+            t = full(m.to(torch.uint8))
+            if rank0:
+                masks[n] = t.bool().cpu()
         frozen = freeze(self.student) if fake_quant_modules(self.student) else {}
-        masks = {n: full(m.to(torch.uint8)).bool().cpu() for n, _, m in self.masks.pairs}
-        if dist.is_initialized() and dist.get_rank() != 0:
+        if not rank0:
             return
         with torch.device("meta"):
             model = Transformer(self.student.cfg)

@@ -1,0 +1,505 @@
+"""A recipe: one TOML file for the whole chain (teacher -> prune -> recover -> ptq -> qat -> release ...),
+checked once, then planned (`--dry-run`) or run stage by stage, each stage as child processes.
+
+    python -m configs.recipe configs/recipes/smollm2-cpu.toml --dry-run [--json plan.json]
+    python -m configs.recipe RECIPE.toml --list-stages          # one stage name a line (one Slurm job each)
+    python -m configs.recipe RECIPE.toml [--stage NAME] [--set KEY=VALUE ...]   # run every stage, or one
+
+configs/recipes/smollm2-cpu.toml is the commented example of the format. Relative paths are relative to the
+working directory: the repository root, as in scripts/recipe.sh. A stage whose output exists is skipped,
+and so is an evaluation whose JSON exists; verify and report always run.
+
+--set KEY=VALUE changes a value of the file before anything is checked. KEY is a dotted path; a stage is
+addressed by its name: `stages.recover.steps=2`, `parallelism.nproc=1`, `run_dir=/tmp/run`,
+`eval.windows={en=2}`. VALUE is read as a TOML value, else taken as a string. SMELT_NNODES / SMELT_NPROC
+(set by slurm/stage.sbatch) apply as parallelism.nodes / .nproc before the --set values; training commands
+get --nnodes/--rdzv-endpoint/--rdzv-id from SMELT_NNODES, SMELT_RDZV_ENDPOINT and SMELT_RDZV_ID, and are
+prefixed with the words of SMELT_LAUNCH_PREFIX (an srun step).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from configs.memory import (
+    FORMULAS,
+    GIB,
+    Budget,
+    estimate,
+    find_shape,
+    format_plan,
+    read_registry,
+    teacher_dir,
+)
+from configs.schema import build
+from core.calibrate import CalibConfig
+from core.data import EvalConfig, split_corpora
+from core.errors import ArgumentParser, SmeltError, run_cli
+from core.files import atomic_write_text
+from core.patterns import NMPattern
+
+KINDS = ("teacher", "prune", "recover", "mtp", "ptq", "qat", "release", "verify", "report", "evaluate")
+TRAINING = ("recover", "mtp", "qat")
+MODELS = ("prune", "recover", "mtp", "ptq", "qat")  # write an HF artifact, evaluated against the teacher
+NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a stage name is a Slurm job name and a file name
+PY = "python"  # sys.executable in the commands (printed as `python`)
+
+
+@dataclass
+class Data:
+    train: str | None = None        # training text source (--dataloader.source); None: the config's own
+    calibration: str | None = None  # prune/ptq calibration corpus (--calib-corpus); None: their default
+
+
+@dataclass
+class Parallelism:
+    nodes: int = 1
+    nproc: int = 1                  # ranks per node: GPUs per node, or CPU processes
+    device: str = "cpu"             # what the memory estimate is per: "cpu" (rank) or "gpu"
+    gpu_memory_gib: float | None = None  # the plan flags a training stage estimated above it
+
+
+@dataclass
+class Stage:
+    kind: str
+    name: str = ""                  # default: the kind
+    src: str = field(default="", init=False)  # resolved input (check)
+    dst: str = field(default="", init=False)  # resolved output
+
+
+@dataclass
+class TeacherStage(Stage):          # models.teacher (fetch, verify, import); zh-train if used; evaluate
+    evaluate: bool = True
+
+
+@dataclass
+class PruneStage(Stage):            # prune.run on the teacher
+    out: str = ""                   # directory under run_dir; default: the stage name
+    method: str = "sparsegpt"
+    pattern: str | None = None      # N:M, or:
+    sparsity: float | None = None
+    calib_windows: int | None = None  # None: the CLI's default (core.calibrate.CalibConfig)
+    calib_seq_len: int | None = None
+    evaluate: bool = True
+
+
+@dataclass
+class TrainStage(Stage):            # recover / qat (train.launch) / mtp (planned)
+    steps: int = 0
+    config: str = ""                # a function of train/config_registry.py
+    input: str = ""                 # an earlier stage's name or an artifact directory; default: the last
+    out: str = ""
+    local_batch: int | None = None  # None: the config's value; another value is passed as an override
+    global_batch: int | None = None
+    seq_len: int | None = None
+    dtype: str | None = None        # training.mixed_precision_param
+    evaluate: bool = True
+    budget: dict = field(default_factory=dict, init=False)
+
+
+@dataclass
+class PtqStage(Stage):              # qat.ptq
+    input: str = ""
+    out: str = ""
+    method: str = "gptq"
+    bits: int | None = None
+    group_size: int | None = None
+    act_order: bool = False
+    calib_windows: int | None = None  # None: qat.ptq's default (128 x 512, as CalibConfig's)
+    calib_seq_len: int | None = None
+    evaluate: bool = True
+
+
+@dataclass
+class ReleaseStage(Stage):          # qat.release
+    input: str = ""
+    out: str = ""
+    metrics: bool = True            # keep the input's evaluation (evals/<input>.json) in the manifest
+
+
+@dataclass
+class InputStage(Stage):            # verify (qat.verify of a release), evaluate (into evals/<name>.json)
+    input: str = ""
+
+
+TYPES = {"teacher": TeacherStage, "prune": PruneStage, "recover": TrainStage, "mtp": TrainStage,
+         "qat": TrainStage, "ptq": PtqStage, "release": ReleaseStage, "verify": InputStage,
+         "evaluate": InputStage, "report": Stage}  # report: eval.report over run_dir/evals
+
+
+@dataclass
+class Recipe:
+    name: str
+    teacher: str                    # registered name, .gguf or HF directory (models.teacher)
+    run_dir: str
+    stages: list                    # [[stages]] tables; load() builds each by its kind
+    teacher_config: str | None = None  # config.json for the plan's shapes when the teacher is elsewhere
+    data: Data = field(default_factory=Data)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    eval: dict | None = None        # core.data.EvalConfig keys; None: eval.evaluate's defaults
+
+    @property
+    def dp(self) -> int:            # FSDP2 shards over every rank (data_parallel_shard_degree = -1)
+        return self.parallelism.nodes * self.parallelism.nproc
+
+    def evals(self, artifact: str) -> str:
+        return str(Path(self.run_dir) / "evals" / f"{Path(artifact).name}.json")
+
+
+# ---- loading: TOML, environment, --set; typed; checked ------------------------------------------------
+def set_value(values: dict, assignment: str) -> None:
+    """Apply one `--set a.b.c=VALUE` to the raw TOML values (`stages.NAME.key` finds the stage by name)."""
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key:
+        raise SmeltError(f"--set {assignment!r}: expected KEY=VALUE, e.g. stages.recover.steps=2")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word or a path
+    node, parts = values, key.split(".")
+    if parts[0] == "stages" and len(parts) > 2:
+        names = [s.get("name", s.get("kind")) for s in values.get("stages", []) if isinstance(s, dict)]
+        if parts[1] not in names:
+            raise SmeltError(f"--set {key}: no stage named {parts[1]!r} "
+                             f"(stages: {', '.join(map(str, names))})")
+        node, parts = [s for s in values["stages"] if isinstance(s, dict)][names.index(parts[1])], parts[2:]
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise SmeltError(f"--set {key}: {part!r} is not a table")
+    node[parts[-1]] = value
+
+
+def load(path: str | Path, sets: list[str] = (), env: dict | None = None) -> Recipe:
+    """Read, override and check a recipe: every problem is one SmeltError naming the key."""
+    path, env = Path(path), os.environ if env is None else env
+    if not path.is_file():
+        raise SmeltError(f"recipe {path} does not exist")
+    try:
+        values = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise SmeltError(f"recipe {path}: {e}") from None
+    for var, key in (("SMELT_NNODES", "nodes"), ("SMELT_NPROC", "nproc")):
+        if env.get(var):
+            set_value(values, f"parallelism.{key}={env[var]}")
+    for s in sets:
+        set_value(values, s)
+    recipe = build(Recipe, values)
+    stages = []
+    for i, raw in enumerate(recipe.stages):
+        if not isinstance(raw, dict) or raw.get("kind") not in TYPES:
+            kind = raw.get("kind") if isinstance(raw, dict) else None
+            raise SmeltError(f"stages[{i}].kind {kind!r} is not one of {', '.join(KINDS)}")
+        stages.append(build(TYPES[raw["kind"]], raw, f"stages[{i}]"))
+    recipe.stages = stages
+    check(recipe, read_registry())
+    return recipe
+
+
+def _input(st: Stage, where: str, outputs: dict, default: str | None, want: tuple) -> str:
+    """What a stage reads: an earlier stage's output (by name), an existing directory, or `default`."""
+    ref = st.input or default
+    if ref is None:
+        raise SmeltError(f"{where} ({st.kind}) has no input: no earlier stage writes a {' or '.join(want)} "
+                         f"artifact; set {where}.input to a stage name or an artifact directory")
+    if ref in outputs:
+        kind, path = outputs[ref]
+        if kind not in want:
+            raise SmeltError(f"{where}.input {ref!r} is a {kind} stage; a {st.kind} stage reads "
+                             f"{' or '.join(want)} output")
+        return path
+    if Path(ref).is_dir():
+        return ref
+    raise SmeltError(f"{where}.input {ref!r} is neither an earlier stage nor an existing artifact directory")
+
+
+def _budget(recipe: Recipe, st: TrainStage, where: str, registry: dict) -> dict:
+    if st.kind != "mtp" and st.config not in registry:
+        raise SmeltError(f"{where}.config {st.config!r} is not a config of train/config_registry.py "
+                         f"({', '.join(registry)})")
+    if st.steps <= 0:
+        raise SmeltError(f"{where}.steps={st.steps} must be > 0")
+    reg = registry.get(st.config, {})
+    b = {k: reg.get(k) if getattr(st, k) is None else getattr(st, k)
+         for k in ("local_batch", "global_batch", "seq_len", "dtype")}
+    b.update(steps=st.steps, config=st.config, source=recipe.data.train or reg.get("source"),
+             activation_checkpoint=reg.get("activation_checkpoint", False),
+             fake_quant=reg.get("fake_quant", False))
+    for key in ("local_batch", "seq_len"):
+        if b[key] is None:
+            raise SmeltError(f"{where}.{key} is required (config {st.config or '-'} does not set it)")
+    b["dtype"] = b["dtype"] or "float32"
+    if b["dtype"] not in ("float32", "bfloat16"):
+        raise SmeltError(f"{where}.dtype {b['dtype']!r} is not float32 or bfloat16")
+    if b["local_batch"] < 1 or b["seq_len"] < 2:
+        raise SmeltError(f"{where}: local_batch >= 1 and seq_len >= 2 are required")
+    per_step = b["local_batch"] * recipe.dp
+    b["global_batch"] = b["global_batch"] or per_step
+    if b["global_batch"] % per_step:
+        raise SmeltError(f"{where}.global_batch={b['global_batch']} is not divisible by local_batch "
+                         f"{b['local_batch']} x data-parallel degree {recipe.dp} "
+                         f"({recipe.parallelism.nodes} node(s) x {recipe.parallelism.nproc} ranks)")
+    flags = {"local_batch": "--training.local_batch_size", "global_batch": "--training.global_batch_size",
+             "seq_len": "--training.seq_len", "dtype": "--training.mixed_precision_param",
+             "source": "--dataloader.source"}
+    # Only what differs from the config is passed: a recipe restating it runs scripts/recipe.sh's command.
+    b["overrides"] = [x for k, flag in flags.items() if b[k] is not None and b[k] != reg.get(k)
+                      for x in (flag, str(b[k]))]
+    return b
+
+
+def check(recipe: Recipe, registry: dict) -> None:
+    """Everything that can be checked before running: values, names, the chain of inputs and outputs."""
+    par = recipe.parallelism
+    if par.nodes < 1 or par.nproc < 1 or par.device not in ("cpu", "gpu"):
+        raise SmeltError(f"parallelism: nodes >= 1, nproc >= 1 and device 'cpu' or 'gpu' are required "
+                         f"(got {par.nodes}, {par.nproc}, {par.device!r})")
+    src = recipe.data.train or ""
+    if src and not src.startswith("hf:") and "/" not in src and "." not in src:  # project corpora; files
+        split_corpora(src, "training")  # and hub datasets are checked by train.launch
+    if recipe.data.calibration:
+        split_corpora(recipe.data.calibration, "calibration")
+    if recipe.eval is not None:
+        build(EvalConfig, recipe.eval, "eval")
+    if not recipe.stages:
+        raise SmeltError("a recipe needs at least one [[stages]] table")
+    run, names = Path(recipe.run_dir), set()
+    outputs = {"teacher": ("teacher", recipe.teacher)}  # name -> (kind, path) of what later stages read
+    last = {"model": None, "release": None}
+    for i, st in enumerate(recipe.stages):
+        where = f"stages[{i}]"
+        st.name = st.name or st.kind
+        teacher_name = (st.name == "teacher") != (st.kind == "teacher")
+        if st.name in names or not NAME.fullmatch(st.name) or teacher_name:
+            raise SmeltError(f"{where}.name {st.name!r}: names are unique, made of letters, digits, '_', "
+                             f"'.' and '-', and 'teacher' is the teacher stage's")
+        names.add(st.name)
+        if st.kind == "teacher":
+            st.dst = recipe.teacher
+        elif st.kind in MODELS or st.kind == "release":
+            st.dst = str(run / (st.out or st.name))
+        if isinstance(st, PruneStage) and (st.pattern is None) == (st.sparsity is None):
+            raise SmeltError(f"{where}: set exactly one of pattern (N:M) and sparsity")
+        if isinstance(st, PruneStage) and st.pattern is not None:
+            NMPattern.parse(st.pattern, f"{where}.pattern")
+        if isinstance(st, (PruneStage, PtqStage)) and st.calib_windows is not None and st.calib_windows < 1:
+            raise SmeltError(f"{where}.calib_windows={st.calib_windows} must be >= 1")
+        if st.kind == "verify":
+            st.src = _input(st, where, outputs, last["release"], ("release",))
+        elif st.kind == "evaluate":
+            st.src = _input(st, where, outputs, last["model"] or "teacher", (*MODELS, "teacher"))
+            st.dst = recipe.evals(st.name)
+        elif st.kind == "ptq":  # quantizes the teacher itself when nothing came before
+            st.src = _input(st, where, outputs, last["model"] or "teacher", (*MODELS, "teacher"))
+        elif hasattr(st, "input"):
+            st.src = _input(st, where, outputs, last["model"], MODELS)
+        if isinstance(st, TrainStage):
+            st.budget = _budget(recipe, st, where, registry)
+        if isinstance(st, ReleaseStage) and st.metrics:
+            parent = next((s for s in recipe.stages[:i] if s.dst == st.src), None)
+            if parent is not None and not parent.evaluate:
+                raise SmeltError(f"{where}.metrics needs stage {parent.name!r} evaluated (evaluate = true), "
+                                 f"or set metrics = false")
+        if st.kind in MODELS or st.kind == "release":
+            outputs[st.name] = (st.kind, st.dst)
+            last["model" if st.kind in MODELS else "release"] = st.name
+
+
+# ---- commands ------------------------------------------------------------------------------------------
+def eval_command(recipe: Recipe, model: str | None, out: str) -> list[str]:
+    cmd = [PY, "-m", "eval.evaluate", "--teacher", recipe.teacher, *(["--model", model] if model else []),
+           "--out", out]
+    return cmd + (build(EvalConfig, recipe.eval, "eval").cli_args() if recipe.eval is not None else [])
+
+
+def _opt(flag: str, value) -> list[str]:
+    return [] if value is None or value is False else [flag] if value is True else [flag, str(value)]
+
+
+def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
+    """The stage's own commands, in order (the evaluation after it: `evaluation`)."""
+    t, par, calib = recipe.teacher, recipe.parallelism, recipe.data.calibration
+    if st.kind == "teacher":
+        sources = [calib or ""] + [s.budget["source"] or "" for s in recipe.stages
+                                   if isinstance(s, TrainStage)]
+        zh = any("zh-train" in s.split("+") for s in sources)  # fetched once, before any rank reads it
+        return [[PY, "-m", "models.teacher", "--teacher", t]] + ([[PY, "-m", "core.zh_corpus"]] if zh else [])
+    if st.kind == "prune":
+        return [[PY, "-m", "prune.run", "--teacher", t, "--method", st.method, *_opt("--pattern", st.pattern),
+                 *_opt("--sparsity", st.sparsity), *_opt("--calib-windows", st.calib_windows),
+                 *_opt("--calib-seq-len", st.calib_seq_len), *_opt("--calib-corpus", calib), "--out", st.dst]]
+    if st.kind == "mtp":
+        return []  # planned (another issue)
+    if st.kind in TRAINING:
+        launch = [*shlex.split(env.get("SMELT_LAUNCH_PREFIX", "")), PY, "-m", "train.launch", "--nproc",
+                  str(par.nproc)]
+        if par.nodes > 1 or env.get("SMELT_RDZV_ENDPOINT"):
+            launch += ["--nnodes", str(par.nodes), "--rdzv-endpoint",
+                       env.get("SMELT_RDZV_ENDPOINT") or "$SMELT_RDZV_ENDPOINT",
+                       "--rdzv-id", env.get("SMELT_RDZV_ID") or "smelt"]
+        return [[*launch, "--", "--module", "train.config_registry", "--config", st.config,
+                 "--student", st.src, "--teacher", t, "--dump_folder", f"{st.dst}-run",
+                 "--export_dir", st.dst, "--training.steps", str(st.steps), *st.budget["overrides"]]]
+    if st.kind == "ptq":
+        return [[PY, "-m", "qat.ptq", "--teacher", t, *(["--artifact", st.src] if st.src != t else []),
+                 "--method", st.method, *_opt("--bits", st.bits), *_opt("--act-order", st.act_order),
+                 *_opt("--group-size", st.group_size), *_opt("--calib-windows", st.calib_windows),
+                 *_opt("--calib-seq-len", st.calib_seq_len), *_opt("--calib-corpus", calib), "--out", st.dst]]
+    if st.kind == "release":
+        return [[PY, "-m", "qat.release", "--artifact", st.src, "--out", st.dst,
+                 *(["--metrics", recipe.evals(st.src)] if st.metrics else [])]]
+    if st.kind == "verify":
+        return [[PY, "-m", "qat.verify", st.src]]
+    if st.kind == "report":
+        return [[PY, "-m", "eval.report", "--run", recipe.run_dir]]
+    return [eval_command(recipe, None if st.src == t else st.src, st.dst)]  # evaluate
+
+
+def evaluation(recipe: Recipe, st: Stage, tdir: str | None) -> list[str] | None:
+    """The evaluation after a stage into run_dir/evals/<output name>.json, as recipe.sh's `evaluate`."""
+    if not getattr(st, "evaluate", False):
+        return None
+    if st.kind == "teacher":
+        return eval_command(recipe, tdir or "<teacher dir>", recipe.evals("teacher"))
+    return eval_command(recipe, st.dst, recipe.evals(st.dst))
+
+
+# ---- the plan ------------------------------------------------------------------------------------------
+def plan(recipe: Recipe, shape, env: dict, only: str | None = None) -> dict:
+    par, tdir = recipe.parallelism, teacher_dir(recipe.teacher)
+    out = {"recipe": recipe.name, "teacher": recipe.teacher, "teacher_dir": str(tdir) if tdir else None,
+           "run_dir": recipe.run_dir, "parallelism": {**asdict(par), "dp": recipe.dp},
+           "model": {**asdict(shape), "params": shape.params} if shape else None, "stages": [],
+           "memory_formulas": FORMULAS, "notes": []}
+    if shape is None:
+        out["notes"].append(f"no config.json for teacher {recipe.teacher!r} here, so no shapes or memory: "
+                            f"run `python -m models.teacher --teacher {recipe.teacher}` or pass "
+                            f"--teacher-config")
+    for st in recipe.stages:
+        if only and st.name != only:
+            continue
+        ev = evaluation(recipe, st, str(tdir) if tdir else None)
+        entry = {"name": st.name, "kind": st.kind, "input": st.src or None, "output": st.dst or None,
+                 "commands": [shlex.join(c) for c in commands(recipe, st, env)],
+                 "evaluation": shlex.join(ev) if ev else None, "tokens": None, "tokens_formula": None}
+        if isinstance(st, (PruneStage, PtqStage)):
+            w, n = st.calib_windows or CalibConfig.n_windows, st.calib_seq_len or CalibConfig.seq_len
+            entry.update(tokens=w * n, tokens_formula=f"calibration {w} windows x {n}")
+        if isinstance(st, TrainStage):
+            b = entry["budget"] = {k: v for k, v in st.budget.items() if k != "overrides"}
+            entry.update(tokens=b["steps"] * b["global_batch"] * b["seq_len"],
+                         tokens_formula=f"{b['steps']} steps x {b['global_batch']} x {b['seq_len']}")
+            if st.kind == "mtp":
+                out["notes"].append(f"stage {st.name}: mtp is planned, not built (running it is an error); "
+                                    f"its memory assumes one block + a 2d->d projection on the frozen trunk")
+            if shape is not None:
+                mem = estimate(shape, Budget(st.kind, b["local_batch"], b["seq_len"], b["dtype"], recipe.dp,
+                                             par.device, b["activation_checkpoint"], b["fake_quant"]))
+                entry["memory_gib"] = {k: round(v / GIB, 2) for k, v in mem.items()}
+                if par.device == "gpu" and par.gpu_memory_gib and mem["total"] / GIB > par.gpu_memory_gib:
+                    out["notes"].append(f"stage {st.name}: estimated {mem['total'] / GIB:.1f} GiB per GPU "
+                                        f"exceeds gpu_memory_gib = {par.gpu_memory_gib:g}")
+        out["stages"].append(entry)
+    return out
+
+
+# ---- running -------------------------------------------------------------------------------------------
+class StageFailed(Exception):
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+def _call(st: Stage, cmd: list[str], capture: bool = False) -> str:
+    print(f"$ {shlex.join(cmd)}", flush=True)
+    i = cmd.index(PY)
+    proc = subprocess.run([*cmd[:i], sys.executable, *cmd[i + 1:]], check=False, text=True,
+                          stdout=subprocess.PIPE if capture else None)
+    if proc.returncode:
+        raise StageFailed(f"stage {st.name}: `{shlex.join(cmd[i:i + 3])}` exited with status "
+                          f"{proc.returncode}", proc.returncode)
+    return proc.stdout or ""
+
+
+def run_stage(recipe: Recipe, st: Stage, env: dict) -> None:
+    """Run one stage as child processes, skipping finished work as scripts/recipe.sh does."""
+    print(f"== {st.name} [{st.kind}]", flush=True)
+    if st.kind == "mtp":
+        raise SmeltError(f"stage {st.name}: the mtp stage is not built yet (planned); remove it to run "
+                         f"the rest")
+    if st.kind in TRAINING and recipe.parallelism.nodes > 1 and not env.get("SMELT_RDZV_ENDPOINT"):
+        raise SmeltError(f"stage {st.name}: {recipe.parallelism.nodes} nodes need "
+                         f"SMELT_RDZV_ENDPOINT=HOST:PORT")
+    tdir = None
+    if st.kind not in ("teacher", "verify", "report") and Path(st.dst).exists():
+        print(f"skip: {st.dst} exists", flush=True)
+    else:
+        if st.src and st.src != recipe.teacher and not Path(st.src).exists():
+            raise SmeltError(f"stage {st.name}: input {st.src} does not exist (run the stage that writes "
+                             f"it first)")
+        if isinstance(st, ReleaseStage) and st.metrics and not Path(recipe.evals(st.src)).is_file():
+            raise SmeltError(f"stage {st.name}: {recipe.evals(st.src)} does not exist (evaluate {st.src} "
+                             f"first)")
+        for cmd in commands(recipe, st, env):
+            text = _call(st, cmd, capture="models.teacher" in cmd)
+            if "models.teacher" in cmd:
+                tdir = text.strip().splitlines()[-1]
+                print(tdir, flush=True)
+        if st.kind in TRAINING and not Path(st.dst).is_dir():  # stopped by a signal, checkpointed
+            raise StageFailed(f"stage {st.name}: training ended before its last step (checkpoint in "
+                              f"{st.dst}-run); run the stage again to resume", 1)
+    ev = evaluation(recipe, st, tdir)
+    if ev is not None:
+        out = ev[ev.index("--out") + 1]
+        if Path(out).is_file():
+            print(f"skip: {out} exists", flush=True)
+        else:
+            _call(st, ev)
+
+
+def main(argv: list[str] | None = None) -> int | None:
+    ap = ArgumentParser(prog="python -m configs.recipe", description=__doc__.split("\n")[0])
+    ap.add_argument("recipe", help="a recipe TOML (configs/recipes/*.toml)")
+    ap.add_argument("--dry-run", action="store_true", help="check and print the plan; run and write nothing")
+    ap.add_argument("--json", help="with --dry-run: also write the plan as JSON to this file")
+    ap.add_argument("--list-stages", action="store_true", help="print the stage names, one a line")
+    ap.add_argument("--stage", help="run (or plan) only this stage")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="change a value of the recipe, e.g. stages.recover.steps=2 (repeatable)")
+    ap.add_argument("--teacher-config", help="config.json (or its directory) giving the plan's model shapes")
+    args = ap.parse_args(argv)
+    if args.json and not args.dry_run:
+        raise SmeltError("--json needs --dry-run")
+    recipe = load(args.recipe, args.set)
+    names = [st.name for st in recipe.stages]
+    if args.stage is not None and args.stage not in names:
+        raise SmeltError(f"--stage {args.stage!r} is not a stage of {args.recipe} ({', '.join(names)})")
+    if args.list_stages:
+        print("\n".join(names))
+        return None
+    if args.dry_run:
+        shape = find_shape(recipe.teacher, recipe.teacher_config, args.teacher_config)
+        p = plan(recipe, shape, dict(os.environ), args.stage)
+        print(format_plan(p))
+        if args.json:
+            atomic_write_text(args.json, json.dumps(p, indent=2) + "\n")
+        return None
+    for st in recipe.stages:
+        if args.stage in (None, st.name):
+            try:
+                run_stage(recipe, st, dict(os.environ))
+            except StageFailed as e:
+                print(f"error: {e}", file=sys.stderr)
+                return e.status
+    return None
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU path in a few minutes on one GPU: NCCL process group, SmolLM2 recovery in bf16 (fp32 masters and
+# reductions), a checkpoint, a resume, tokens/s and peak memory. Never needed by the tests.
+#
+#   scripts/gpu_smoke.sh [OUT_DIR]     # default results/gpu-smoke; commit OUT_DIR/summary.txt with the GPU named
+#
+# Needs the environment (scripts/env.sh) and the teacher in the cache (python -m models.teacher), both done
+# beforehand on a machine with network access: a compute node may have none.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+py=.venv/bin/python
+out="${1:-results/gpu-smoke}"
+mkdir -p "$out"
+run="$(mktemp -d)"
+trap 'rm -rf "$run"' EXIT
+export WANDB_MODE="${WANDB_MODE:-offline}"
+gpu="$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -n 1)"
+echo "gpu: $gpu" | tee "$out/summary.txt"
+
+echo "== a 2:4 student (magnitude: seconds) to recover"
+$py -m prune.run --teacher smollm2-135m --method magnitude --pattern 2:4 --out "$run/pruned" >"$out/prune.log" 2>&1
+
+stage() {  # steps, log: the same command twice is a resume
+  $py -m train.launch --nproc 1 -- --module train.config_registry --config smollm2_recover \
+    --student "$run/pruned" --teacher smollm2-135m --dump_folder "$run/recover" --export_dir "$run/recovered" \
+    --training.mixed_precision_param bfloat16 --training.seq_len 1024 --training.local_batch_size 8 \
+    --training.global_batch_size 8 --checkpoint.interval 10 --training.steps "$1" 2>&1 | tee "$2"
+}
+echo "== recover: 10 steps (checkpoint at 10), then resume to 20"
+stage 10 "$out/part1.log"
+stage 20 "$out/part2.log"
+{
+  grep -q "Loading the checkpoint" "$out/part2.log" && echo "resume: loaded the step-10 checkpoint"
+  [ -f "$run/recovered/model.safetensors" ] && echo "export: written after step 20"
+  grep -h "loaded: peak RSS" "$out/part1.log" | tail -n 1
+  grep -h "step: 20" "$out/part2.log" | tail -n 1
+} | tee -a "$out/summary.txt"

@@ -1,0 +1,256 @@
+"""configs.recipe: the three recipes' dry runs (shapes, commands, tokens, memory table, JSON), --list-stages,
+bad input (one line, exit 2, nothing written), --set, the registry read without importing train/, and the
+debug recipe's prune stage run for real on a tiny teacher."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, tiny_config
+
+from configs.memory import ROWS, Shape, read_registry, read_shape
+from configs.recipe import load, main, set_value
+from core.errors import run_cli
+from models.hf_io import config_to_hf
+from models.llama import FLAVORS, build_model
+
+RECIPES = ROOT / "configs" / "recipes"
+MIX = "wikitext2-valid+code-train+zh-train"
+ENV = ("SMELT_NNODES", "SMELT_NPROC", "SMELT_RDZV_ENDPOINT", "SMELT_RDZV_ID", "SMELT_LAUNCH_PREFIX")
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for var in ENV:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(ROOT)  # recipes' relative paths (the 8B fixture) are from the repository root
+
+
+def _run(*argv) -> int:
+    """main() through run_cli, as `python -m configs.recipe` runs it: the exit status (0 when it returns)."""
+    try:
+        run_cli(lambda: main([str(a) for a in argv if a != ""]))
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def _cli(capsys, *argv) -> tuple[int, str, str]:
+    code = _run(*argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _dry_run(capsys, recipe: Path, tmp_path: Path, *extra: str) -> tuple[str, dict]:
+    code, out, err = _cli(capsys, recipe, "--dry-run", "--json", tmp_path / "plan.json", *extra)
+    assert code == 0, err
+    return out, json.loads((tmp_path / "plan.json").read_text())
+
+
+def _check_memory(plan: dict, stages: list[str]) -> None:
+    mem = {s["name"]: s["memory_gib"] for s in plan["stages"] if "memory_gib" in s}
+    assert list(mem) == stages
+    for m in mem.values():
+        assert set(m) == {*ROWS, "total"} and all(m[r] >= 0 for r in ROWS) and m["total"] > 0
+        assert m["total"] == pytest.approx(sum(m[r] for r in ROWS), abs=0.05)
+
+
+def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
+    smol = tmp_path / "smollm2-config"
+    smol.mkdir()
+    (smol / "config.json").write_text(json.dumps(config_to_hf(FLAVORS["smollm2-135m"])))
+    run = tmp_path / "run"
+    out, plan = _dry_run(capsys, RECIPES / "smollm2-cpu.toml", tmp_path, "--teacher-config", smol,
+                         "--set", f"run_dir={run}")
+    m = plan["model"]
+    shape = (m["layers"], m["d_model"], m["heads"], m["kv_heads"], m["ffn"], m["vocab"])
+    assert shape == (30, 576, 9, 3, 1536, 49152)
+    assert m["params"] == 134_515_008  # what torchtitan logs for SmolLM2-135M
+    assert "30 layers, d_model 576, heads 9 / kv 3" in out and "memory per CPU rank" in out
+    # scripts/recipe.sh's commands with its defaults (128 x 512 calibration, 60 and 100 steps, 2 ranks)
+    t, launch = "--teacher smollm2-135m", "python -m train.launch --nproc 2 -- --module train.config_registry"
+    expected = {
+        "prune": [(f"python -m prune.run {t} --method sparsegpt --pattern 2:4 --calib-windows 128 "
+                  f"--calib-seq-len 512 --calib-corpus {MIX} --out {run}/pruned-2of4")],
+        "recover": [(f"{launch} --config smollm2_recover --student {run}/pruned-2of4 {t} --dump_folder "
+                    f"{run}/recovered-2of4-run --export_dir {run}/recovered-2of4 --training.steps 60")],
+        "quantize": [(f"python -m qat.ptq {t} --artifact {run}/recovered-2of4 --method gptq --act-order "
+                     f"--group-size 64 --calib-windows 128 --calib-corpus {MIX} --out {run}/gptq-2of4")],
+        "qat": [(f"{launch} --config smollm2_qat --student {run}/gptq-2of4 {t} --dump_folder "
+                f"{run}/qat-2of4-run --export_dir {run}/qat-2of4 --training.steps 100")],
+        "release": [(f"python -m qat.release --artifact {run}/qat-2of4 --out {run}/release "
+                    f"--metrics {run}/evals/qat-2of4.json")],
+        "verify": [f"python -m qat.verify {run}/release"],
+        "report": [f"python -m eval.report --run {run}"],
+    }
+    stages = {s["name"]: s for s in plan["stages"]}
+    assert list(stages) == ["teacher", "prune", "recover", "quantize", "qat", "release", "verify", "report"]
+    assert stages["teacher"]["commands"] == [f"python -m models.teacher {t}", "python -m core.zh_corpus"]
+    assert stages["teacher"]["evaluation"].endswith(f"--out {run}/evals/teacher.json")
+    for name, cmds in expected.items():
+        assert stages[name]["commands"] == cmds, name
+    for name, art in (("prune", "pruned-2of4"), ("recover", "recovered-2of4"), ("quantize", "gptq-2of4"),
+                      ("qat", "qat-2of4")):
+        assert stages[name]["evaluation"] == (f"python -m eval.evaluate {t} --model {run}/{art} "
+                                              f"--out {run}/evals/{art}.json")
+    assert stages["recover"]["tokens"] == 60 * 4 * 256 and stages["prune"]["tokens"] == 128 * 512
+    _check_memory(plan, ["recover", "qat"])
+    assert not run.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "smollm2-config"]
+
+
+def test_llama_8b_plan_shapes_parallelism_and_memory(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("SMELT_RDZV_ENDPOINT", "node0:29500")
+    monkeypatch.setenv("SMELT_LAUNCH_PREFIX", "srun --nodes=2 task.sh")
+    out, plan = _dry_run(capsys, RECIPES / "llama3.1-8b-h100.toml", tmp_path)
+    m = plan["model"]
+    assert (m["layers"], m["d_model"], m["heads"], m["kv_heads"], m["head_dim"]) == (32, 4096, 32, 8, 128)
+    assert (m["ffn"], m["vocab"], m["tied"]) == (14336, 128256, False)
+    assert m["params"] == pytest.approx(8.03e9, rel=0.01)
+    assert plan["parallelism"]["dp"] == 16 and "2 node(s) x 8 GPU(s) = data-parallel 16" in out
+    stages = {s["name"]: s for s in plan["stages"]}
+    assert stages["mtp"]["commands"] == [] and "not built" in out
+    recover = stages["recover"]["commands"][0]
+    assert recover.startswith("srun --nodes=2 task.sh python -m train.launch --nproc 8 --nnodes 2 "
+                              "--rdzv-endpoint node0:29500 --rdzv-id smelt -- ")
+    assert "--training.local" not in recover  # restates h100_recover: nothing to override
+    assert stages["qat"]["commands"][0].endswith("--training.steps 1000 --training.local_batch_size 4 "
+                                                 "--training.global_batch_size 64 --training.seq_len 4096")
+    assert stages["recover"]["budget"]["activation_checkpoint"] is True
+    _check_memory(plan, ["recover", "mtp", "qat"])
+    assert all(s["memory_gib"]["total"] < 80 for s in plan["stages"] if "memory_gib" in s)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
+def test_debug_plan_reads_the_teacher_dir_and_counts_parameters_exactly(capsys, tmp_path, tiny_model_dir):
+    _out, plan = _dry_run(capsys, RECIPES / "debug.toml", tmp_path, "--set", f"teacher={tiny_model_dir}",
+                         "--set", f"run_dir={tmp_path / 'run'}")
+    m = plan["model"]
+    assert (m["layers"], m["d_model"], m["heads"], m["kv_heads"], m["ffn"], m["vocab"]) == (2, 64, 4, 2, 128,
+                                                                                             260)
+    assert m["params"] == sum(p.numel() for p in build_model(tiny_config()).parameters())
+    _check_memory(plan, ["recover", "qat"])
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flavor", ["debug", "debug-untied", "smollm2-135m"])
+def test_parameter_count_matches_the_model(tmp_path, flavor):
+    cfg = FLAVORS[flavor]
+    (tmp_path / "config.json").write_text(json.dumps(config_to_hf(cfg)))
+    with __import__("torch").device("meta"):
+        model = build_model(cfg, device="meta")
+    assert read_shape(tmp_path).params == sum(p.numel() for p in model.parameters())
+
+
+def test_list_stages(capsys):
+    code, out, _ = _cli(capsys, RECIPES / "smollm2-cpu.toml", "--list-stages")
+    assert code == 0
+    assert out.splitlines() == ["teacher", "prune", "recover", "quantize", "qat", "release", "verify",
+                                "report"]
+
+
+BAD = [
+    (["--set", "stages.recover.stepz=2"], "stages[2].stepz"),
+    (["--set", "stages.recover.global_batch=6"], "not divisible by local_batch 2 x data-parallel degree 2"),
+    (["--set", "stages.recover.input=/no/such/artifact"], "neither an earlier stage nor an existing"),
+    (["--set", "stages.recover.config=smollm2_recoverr"], "not a config of train/config_registry.py"),
+    (["--set", "stages.qat.steps=0"], "stages[4].steps=0 must be > 0"),
+    (["--set", "stages.recover.kind=distil"], "stages[2].kind 'distil' is not one of"),
+    (["--set", "stages.nope.steps=1"], "no stage named 'nope'"),
+    (["--set", "data.calibration=wikitext2-test"], "never be calibrated on"),
+    (["--stage", "recoverr"], "is not a stage of"),
+    (["--json", "x.json"], "--json needs --dry-run"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[m for _, m in BAD])
+def test_bad_input_is_one_line_and_writes_nothing(capsys, tmp_path, args, message):
+    code, out, err = _cli(capsys, RECIPES / "smollm2-cpu.toml", "--dry-run" if "--json" not in args else "",
+                          "--set", f"run_dir={tmp_path / 'run'}", *args)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], err
+    assert out == "" and list(tmp_path.iterdir()) == []
+
+
+def test_unknown_kind_in_a_file_and_env_budgets(capsys, tmp_path, monkeypatch):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\nteacher = "smollm2-135m"\nrun_dir = "r"\n[[stages]]\nkind = "distil"\n')
+    code, _, err = _cli(capsys, bad, "--dry-run")
+    assert code == 2 and "stages[0].kind 'distil' is not one of" in err
+    monkeypatch.setenv("SMELT_NPROC", "4")  # a Slurm job's ranks: 4 x local batch 2 does not divide 4
+    code, _, err = _cli(capsys, RECIPES / "smollm2-cpu.toml", "--list-stages")
+    assert code == 2 and "global_batch=4 is not divisible by local_batch 2 x data-parallel degree 4" in err
+    monkeypatch.setenv("SMELT_NPROC", "1")  # gradient accumulation fills the global batch
+    assert load(RECIPES / "smollm2-cpu.toml").dp == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.toml"]
+
+
+def test_set_syntax():
+    values = {"stages": [{"kind": "prune"}, {"kind": "recover", "name": "heal", "steps": 5}]}
+    for s in ("stages.heal.steps=2", "stages.prune.pattern=2:4", "run_dir=/tmp/x y", "eval.windows={en=2}",
+              "parallelism.nproc=3", "stages.prune.evaluate=false"):
+        set_value(values, s)
+    assert values["stages"] == [{"kind": "prune", "pattern": "2:4", "evaluate": False},
+                                {"kind": "recover", "name": "heal", "steps": 2}]
+    assert values["run_dir"] == "/tmp/x y" and values["parallelism"] == {"nproc": 3}
+    assert values["eval"] == {"windows": {"en": 2}}
+
+
+def test_registry_read_statically_matches_the_real_configs():
+    import train.config_registry as registry  # tests may import train/; configs/ may not
+    from train.run import config_names
+
+    read = read_registry()
+    assert sorted(read) == sorted(config_names(registry))
+    for name, got in read.items():
+        cfg = getattr(registry, name)()
+        tr = cfg.training
+        want = {"steps": tr.steps, "local_batch": tr.local_batch_size, "seq_len": tr.seq_len,
+                "dtype": tr.mixed_precision_param, "source": cfg.dataloader.source,
+                "activation_checkpoint": cfg.activation_checkpoint is not None,
+                "fake_quant": cfg.model_spec.model.fake_quant.enable}
+        if tr.global_batch_size > 0:
+            want["global_batch"] = tr.global_batch_size
+        assert got == want, name
+
+
+def test_memory_rows_follow_the_budget():
+    from configs.memory import Budget, estimate
+
+    s = Shape(layers=4, d_model=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=256, tied=True)
+    one = estimate(s, Budget("recover", 2, 32, "float32", 2, "cpu"))
+    two = estimate(s, Budget("recover", 4, 32, "float32", 2, "cpu"))
+    assert two["activations"] == pytest.approx(2 * one["activations"])
+    assert two["parameters"] == one["parameters"]
+    sharded = estimate(s, Budget("recover", 2, 32, "float32", 4, "cpu"))
+    assert sharded["optimizer"] == pytest.approx(one["optimizer"] / 2)
+    ac = estimate(s, Budget("recover", 2, 32, "bfloat16", 2, "gpu", activation_checkpoint=True))
+    assert ac["activations"] < estimate(s, Budget("recover", 2, 32, "bfloat16", 2, "gpu"))["activations"]
+    qat = estimate(s, Budget("qat", 2, 32, "float32", 2, "cpu", fake_quant=True))
+    assert qat["activations"] > one["activations"]
+
+
+def test_debug_prune_stage_runs_then_skips(capfd, tmp_path, tiny_model_dir):
+    run = tmp_path / "run"
+    argv = [RECIPES / "debug.toml", "--stage", "prune", "--set", f"teacher={tiny_model_dir}",
+            "--set", f"run_dir={run}", "--set", "stages.prune.evaluate=false"]
+    code = _run(*argv)
+    out = capfd.readouterr()
+    assert code == 0, out.err[-2000:]
+    pruned = run / "pruned-2of4"
+    assert {"model.safetensors", "masks.safetensors", "manifest.json"} <= {p.name for p in pruned.iterdir()}
+    manifest = json.loads((pruned / "manifest.json").read_text())
+    assert manifest["stage"] == "prune" and manifest["settings"]["pattern"] == "2:4"
+    assert _run(*argv) == 0 and f"skip: {pruned} exists" in capfd.readouterr().out
+    assert sorted(p.name for p in run.iterdir()) == ["pruned-2of4"]
+
+
+def test_missing_input_and_mtp_are_one_line_at_run_time(capsys, tmp_path, tiny_model_dir):
+    run = tmp_path / "run"
+    base = [RECIPES / "debug.toml", "--set", f"teacher={tiny_model_dir}", "--set", f"run_dir={run}"]
+    code, _, err = _cli(capsys, *base, "--stage", "recover")
+    assert code == 2 and f"input {run}/pruned-2of4 does not exist" in err and err.count("\n") == 1
+    code, _, err = _cli(capsys, RECIPES / "llama3.1-8b-h100.toml", "--stage", "mtp", "--set",
+                        f"run_dir={run}", "--set", f"stages.mtp.input={tiny_model_dir}")
+    assert code == 2 and "mtp stage is not built yet" in err
+    assert not run.exists()
