@@ -18,6 +18,7 @@ prefixed with the words of SMELT_LAUNCH_PREFIX (an srun step).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -314,8 +315,9 @@ def check(recipe: Recipe, registry: dict) -> None:
 
 # ---- commands ------------------------------------------------------------------------------------------
 def eval_command(recipe: Recipe, model: str | None, out: str) -> list[str]:
+    # --wandb: the evaluation's metrics and table go into its stage's wandb run (core.tracking).
     cmd = [PY, "-m", "eval.evaluate", "--teacher", recipe.teacher, *(["--model", model] if model else []),
-           "--out", out]
+           "--out", out, "--wandb"]
     return cmd + (build(EvalConfig, recipe.eval, "eval").cli_args() if recipe.eval is not None else [])
 
 
@@ -411,16 +413,26 @@ def plan(recipe: Recipe, shape, env: dict, only: str | None = None) -> dict:
 
 
 # ---- running -------------------------------------------------------------------------------------------
+def wandb_identity(recipe: Recipe, st: Stage) -> dict[str, str]:
+    """One wandb group per recipe run (recipe name + run directory), one run per stage: every process of
+    the stage (training ranks, its evaluation) and a requeued job of it land in the same run."""
+    where = hashlib.sha256(str(Path(recipe.run_dir).resolve()).encode()).hexdigest()[:8]
+    group = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{recipe.name}-{Path(recipe.run_dir).name}-{where}")
+    return {"WANDB_RUN_GROUP": group, "WANDB_RUN_ID": f"{group}-{st.name}", "WANDB_RUN_NAME": st.name,
+            "WANDB_RUN_JOB_TYPE": st.kind}
+
+
+
 class StageFailed(Exception):
     def __init__(self, message: str, status: int):
         super().__init__(message)
         self.status = status
 
 
-def _call(st: Stage, cmd: list[str], capture: bool = False) -> str:
+def _call(st: Stage, cmd: list[str], env: dict, capture: bool = False) -> str:
     print(f"$ {shlex.join(cmd)}", flush=True)
     i = cmd.index(PY)
-    proc = subprocess.run([*cmd[:i], sys.executable, *cmd[i + 1:]], check=False, text=True,
+    proc = subprocess.run([*cmd[:i], sys.executable, *cmd[i + 1:]], check=False, text=True, env=env,
                           stdout=subprocess.PIPE if capture else None)
     if proc.returncode:
         raise StageFailed(f"stage {st.name}: `{shlex.join(cmd[i:i + 3])}` exited with status "
@@ -431,6 +443,7 @@ def _call(st: Stage, cmd: list[str], capture: bool = False) -> str:
 def run_stage(recipe: Recipe, st: Stage, env: dict) -> None:
     """Run one stage as child processes, skipping finished work as scripts/recipe.sh does."""
     print(f"== {st.name} [{st.kind}]", flush=True)
+    env = {**wandb_identity(recipe, st), **env}  # what the user set wins
     if st.kind == "mtp":
         raise SmeltError(f"stage {st.name}: the mtp stage is not built yet (planned); remove it to run "
                          f"the rest")
@@ -448,7 +461,7 @@ def run_stage(recipe: Recipe, st: Stage, env: dict) -> None:
             raise SmeltError(f"stage {st.name}: {recipe.evals(st.src)} does not exist (evaluate {st.src} "
                              f"first)")
         for cmd in commands(recipe, st, env):
-            text = _call(st, cmd, capture="models.teacher" in cmd)
+            text = _call(st, cmd, env, capture="models.teacher" in cmd)
             if "models.teacher" in cmd:
                 tdir = text.strip().splitlines()[-1]
                 print(tdir, flush=True)
@@ -461,7 +474,7 @@ def run_stage(recipe: Recipe, st: Stage, env: dict) -> None:
         if Path(out).is_file():
             print(f"skip: {out} exists", flush=True)
         else:
-            _call(st, ev)
+            _call(st, ev, env)
 
 
 def main(argv: list[str] | None = None) -> int | None:

@@ -34,7 +34,9 @@ def config_to_hf(cfg: LlamaConfig, n_layers: int | None = None) -> dict:
         "rms_norm_eps": cfg.norm_eps,
         # Both spellings: transformers >= 5 reads rope_parameters, older readers (and vLLM) rope_theta.
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": {"rope_type": "llama3" if cfg.rope_scaling else "default", "rope_theta": cfg.rope_theta,
+                            **(cfg.rope_scaling or {})},
+        **({"rope_scaling": {"rope_type": "llama3", **cfg.rope_scaling}} if cfg.rope_scaling else {}),
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": False,
         "mlp_bias": False,
@@ -51,15 +53,23 @@ def config_from_hf(d: dict) -> LlamaConfig:
     if d.get("attention_bias") or d.get("mlp_bias"):
         raise SmeltError("config.json: attention_bias/mlp_bias are not supported by models.llama")
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise SmeltError(f"config.json: rope_type={rope.get('rope_type')!r} is not supported (default only)")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise SmeltError(f"config.json: rope_type={rope_type!r} is not supported (default, llama3)")
+    scaling = None
+    if rope_type == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        missing = [k for k in keys if k not in rope]
+        if missing:
+            raise SmeltError(f"config.json: llama3 rope scaling lacks {', '.join(missing)}")
+        scaling = {k: rope[k] for k in keys}
     theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
     eos = d.get("eos_token_id")
     return LlamaConfig(
         dim=d["hidden_size"], n_layers=d["num_hidden_layers"], n_heads=d["num_attention_heads"],
         n_kv_heads=d.get("num_key_value_heads", d["num_attention_heads"]), vocab_size=d["vocab_size"],
         ffn_hidden=d["intermediate_size"], head_dim=d.get("head_dim"), norm_eps=d.get("rms_norm_eps", 1e-6),
-        rope_theta=float(theta), max_seq_len=d.get("max_position_embeddings", 2048),
+        rope_theta=float(theta), rope_scaling=scaling, max_seq_len=d.get("max_position_embeddings", 2048),
         tie_embeddings=bool(d.get("tie_word_embeddings", False)), bos_id=d.get("bos_token_id"),
         eos_id=eos[0] if isinstance(eos, list) else eos,
     )

@@ -28,6 +28,7 @@ class LlamaConfig:
     head_dim: int | None = None  # None: dim // n_heads
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # Llama 3.1 "llama3" scaling: factor, low/high_freq_factor, original len
     max_seq_len: int = 2048
     tie_embeddings: bool = True
     bos_id: int | None = None
@@ -80,8 +81,23 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def rope_cache(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1's long-context RoPE: wavelengths longer than original_len / low_freq_factor are divided by
+    `factor`, shorter than original_len / high_freq_factor kept, and the band between interpolated."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    mid = (wavelen <= original / low) & (wavelen >= original / high)
+    return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+
+
+def rope_cache(head_dim: int, max_seq_len: int, theta: float, scaling: dict | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling:
+        inv_freq = llama3_inv_freq(inv_freq, scaling)
     t = torch.arange(max_seq_len, dtype=torch.float64)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
@@ -209,7 +225,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -227,7 +243,8 @@ class Transformer(nn.Module):
 
     def init_rope(self, device: torch.device | str | None = None):
         """(Re)compute the RoPE tables; needed after building on the meta device."""
-        cos, sin = rope_cache(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        cos, sin = rope_cache(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta,
+                              self.cfg.rope_scaling)
         dev = device if device is not None else self.tok_embeddings.weight.device
         self.rope_cos, self.rope_sin = cos.to(dev), sin.to(dev)
 

@@ -44,6 +44,7 @@ def tiny_config(name: str = "debug", **kw) -> LlamaConfig:
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("SMELT_CACHE", str(tmp_path_factory.getbasetemp() / "smelt-cache"))
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # a test that checks wandb turns it on (offline) itself
     torch.manual_seed(0)
 
 

@@ -26,9 +26,14 @@ def _hf_model(model):
     return hf
 
 
-@pytest.mark.parametrize("flavor", ["debug", "debug-untied"])
-def test_logits_match_transformers_llama(flavor):
-    model = build_model(tiny_config(flavor), seed=3).eval()
+LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}  # short: the scaled band falls inside head_dim 16
+
+
+@pytest.mark.parametrize("flavor, scaling", [("debug", None), ("debug-untied", None), ("debug", LLAMA3_ROPE)],
+                         ids=["debug", "debug-untied", "llama3-rope"])
+def test_logits_match_transformers_llama(flavor, scaling):
+    model = build_model(tiny_config(flavor, rope_scaling=scaling), seed=3).eval()
     hf = _hf_model(model)
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 37))
     with torch.no_grad():
@@ -36,16 +41,19 @@ def test_logits_match_transformers_llama(flavor):
     assert ours.shape == theirs.shape
     assert (ours - theirs).abs().max().item() <= 1e-4
     # A real check: a different theta must break the equality (RoPE is really exercised).
-    other = build_model(tiny_config(flavor, rope_theta=model.cfg.rope_theta * 7), seed=3).eval()
+    # (with llama3 scaling: the same model without it)
+    other_cfg = tiny_config(flavor, rope_theta=model.cfg.rope_theta * 7) if scaling is None else tiny_config(flavor)
+    other = build_model(other_cfg, seed=3).eval()
     with torch.no_grad():
         assert (other(tokens) - theirs).abs().max().item() > 1e-3
 
 
-@pytest.mark.parametrize("flavor", ["debug", "debug-untied"])
-def test_hf_directory_round_trip(tmp_path, byte_tokenizer, flavor):
+@pytest.mark.parametrize("flavor, scaling", [("debug", None), ("debug-untied", None), ("debug", LLAMA3_ROPE)],
+                         ids=["debug", "debug-untied", "llama3-rope"])
+def test_hf_directory_round_trip(tmp_path, byte_tokenizer, flavor, scaling):
     from transformers import AutoModelForCausalLM
 
-    model = build_model(tiny_config(flavor), seed=5).eval()
+    model = build_model(tiny_config(flavor, rope_scaling=scaling), seed=5).eval()
     save_hf(model, tmp_path, tokenizer=byte_tokenizer)
     assert (tmp_path / "tokenizer.json").is_file()
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 21))

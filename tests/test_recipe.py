@@ -87,13 +87,13 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
     stages = {s["name"]: s for s in plan["stages"]}
     assert list(stages) == ["teacher", "prune", "recover", "quantize", "qat", "release", "verify", "report"]
     assert stages["teacher"]["commands"] == [f"python -m models.teacher {t}", "python -m core.zh_corpus"]
-    assert stages["teacher"]["evaluation"].endswith(f"--out {run}/evals/teacher.json")
+    assert stages["teacher"]["evaluation"].endswith(f"--out {run}/evals/teacher.json --wandb")
     for name, cmds in expected.items():
         assert stages[name]["commands"] == cmds, name
     for name, art in (("prune", "pruned-2of4"), ("recover", "recovered-2of4"), ("quantize", "gptq-2of4"),
                       ("qat", "qat-2of4")):
         assert stages[name]["evaluation"] == (f"python -m eval.evaluate {t} --model {run}/{art} "
-                                              f"--out {run}/evals/{art}.json")
+                                              f"--out {run}/evals/{art}.json --wandb")
     assert stages["recover"]["tokens"] == 60 * 4 * 256 and stages["prune"]["tokens"] == 128 * 512
     _check_memory(plan, ["recover", "qat"])
     assert not run.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "smollm2-config"]
@@ -115,7 +115,8 @@ def test_llama_8b_plan_shapes_parallelism_and_memory(capsys, tmp_path, monkeypat
                               "--rdzv-endpoint node0:29500 --rdzv-id smelt -- ")
     assert "--training.local" not in recover  # restates h100_recover: nothing to override
     assert stages["qat"]["commands"][0].endswith("--training.steps 1000 --training.local_batch_size 4 "
-                                                 "--training.global_batch_size 64 --training.seq_len 4096")
+                                                 "--training.global_batch_size 64 --training.seq_len 4096 "
+                                                 "--dataloader.source hf:HuggingFaceFW/fineweb-edu:sample-10BT")
     assert stages["recover"]["budget"]["activation_checkpoint"] is True
     _check_memory(plan, ["recover", "mtp", "qat"])
     assert all(s["memory_gib"]["total"] < 80 for s in plan["stages"] if "memory_gib" in s)
