@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 import types
 import typing
 from pathlib import Path
-
-import tomllib
 
 from core.errors import SmeltError
 

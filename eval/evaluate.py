@@ -28,8 +28,8 @@ from core.data import BUCKETS, EvalConfig, corpus_record, eval_windows, parse_wi
 from core.device import default_device, machine_record
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.fetch import cache_root
-from core.tracking import log_evaluation
 from core.files import atomic_save_safetensors, atomic_write_text, safetensors_metadata
+from core.tracking import log_evaluation
 from eval.metrics import cat_stats, per_token_stats, summarize
 from models.hf_io import load_hf, load_tokenizer
 from models.teacher import DEFAULT_TEACHER, resolve_teacher

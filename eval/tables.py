@@ -41,6 +41,7 @@ from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_write_text
 
 SECTION_FILES = ("section.toml", "section.json")
+NOT_SECTIONS = ("bench",)  # results/bench/: benchmark outputs (speed, memory, GPU smoke), not README tables
 SECTION_KEYS = {"rows", "buckets"}
 ROW_KEYS = {"label", "file", "commands"}
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -135,7 +136,8 @@ def load_sections(results: Path) -> dict[str, dict]:
     if not results.is_dir():
         raise SmeltError(f"results folder {results} does not exist")
     sections = {}
-    for folder in sorted(p for p in results.iterdir() if p.is_dir() and not p.name.startswith(".")):
+    for folder in sorted(p for p in results.iterdir() if p.is_dir() and not p.name.startswith(".")
+                         and p.name not in NOT_SECTIONS):
         if not NAME_RE.fullmatch(folder.name):
             raise SmeltError(f"results section {folder.name!r}: names are letters, digits, '_', '-', '.'")
         sections[folder.name] = load_section(folder)

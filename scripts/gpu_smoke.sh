@@ -2,7 +2,7 @@
 # The GPU path in a few minutes on one GPU: NCCL process group, SmolLM2 recovery in bf16 (fp32 masters and
 # reductions), a checkpoint, a resume, tokens/s and peak memory. Never needed by the tests.
 #
-#   scripts/gpu_smoke.sh [OUT_DIR]     # default results/gpu-smoke; commit OUT_DIR/summary.txt with the GPU named
+#   scripts/gpu_smoke.sh [OUT_DIR]     # default results/bench/gpu-smoke; commit OUT_DIR/summary.txt with the GPU named
 #
 # Needs the environment (scripts/env.sh) and the teacher in the cache (python -m models.teacher), both done
 # beforehand on a machine with network access: a compute node may have none.
@@ -10,7 +10,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 py=.venv/bin/python
-out="${1:-results/gpu-smoke}"
+out="${1:-results/bench/gpu-smoke}"
 mkdir -p "$out"
 run="$(mktemp -d)"
 trap 'rm -rf "$run"' EXIT

@@ -27,10 +27,10 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from core.artifact import parent_record, write_manifest
+from core.device import peak_rss_gib
 from core.dtensor import full, local
 from core.errors import SmeltError
 from core.files import atomic_dir
-from core.device import peak_rss_gib
 from core.masks import load_masks, save_masks
 from core.runlock import RunLock
 from models.hf_io import config_from_hf, load_into, load_tokenizer, read_hf_config, save_hf
@@ -211,6 +211,8 @@ class SmeltTrainer(Trainer):
     def train(self):
         self.stopped_by_signal = False
         super().train()
+        logger.info("rank %d trained to step %d: peak RSS %.3f GiB", int(os.environ.get("RANK", "0")), self.step,
+                    peak_rss_gib())
         if self.config.export_dir and not self.stopped_by_signal and self.step == self.config.training.steps:
             self.export(Path(self.config.export_dir))
 
