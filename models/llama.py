@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from core.errors import SmeltError
 
@@ -221,6 +222,9 @@ class Transformer(nn.Module):
         # A ModuleDict keyed by the original layer index keeps checkpoint names stable when depth
         # pruning removes layers (layers.7 stays layers.7), as torchtitan does.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        # Training switch (activation checkpointing): recompute each block in backward instead of keeping its
+        # activations. A flag, not a wrapper module, so parameter and module names stay the checkpoint's.
+        self.recompute_blocks = False
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -267,8 +271,12 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {end} exceeds max_seq_len={self.rope_cos.shape[0]}")
         cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
         h = self.tok_embeddings(tokens)
+        recompute = self.recompute_blocks and cache is None and torch.is_grad_enabled()
         for key, layer in self.layers.items():
-            h = layer(h, cos, sin, cache[key] if cache else None)
+            if recompute:
+                h = checkpoint(layer, h, cos, sin, None, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, cache[key] if cache else None)
         return self.norm(h)
 
     def forward(self, tokens: torch.Tensor, cache: dict[str, KVCache] | None = None) -> torch.Tensor:

@@ -198,6 +198,9 @@ def test_set_syntax():
 
 
 def test_registry_read_statically_matches_the_real_configs():
+    from train import cpu_shims
+
+    cpu_shims.apply()  # before torchtitan is first imported in this process (as every entry point does)
     import train.config_registry as registry  # tests may import train/; configs/ may not
     from train.run import config_names
 

@@ -161,6 +161,16 @@ def test_resume_after_kill9_is_bit_identical(dirs, straight_run):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_activation_checkpointing_is_switchable_and_exact(dirs, straight_run):
+    # torchtitan's switch, on our model: recomputing each block in backward changes nothing on CPU.
+    proc = torchrun(dirs, "full-ac", "--training.steps", "8", "activation_checkpoint:full")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "every block is recomputed in backward" in proc.stdout + proc.stderr
+    a = load_file(str(straight_run.out / "model.safetensors"))
+    b = load_file(str(dirs / "full-ac-out" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_sigterm_checkpoints_and_exits_within_30s(dirs):
     name = "preempted"
     cmd = TORCHRUN + ["--student", str(dirs / "student"), "--teacher", str(dirs / "teacher"),
@@ -289,7 +299,9 @@ def test_bad_trainer_config_is_refused(dirs, tmp_path):
         SmeltTrainer(cfg)
 
 
-def test_qat_through_the_trainer_keeps_2of4_and_exports_on_grid(dirs, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_qat_through_the_trainer_keeps_2of4_and_exports_on_grid(dirs, tmp_path, dtype):
+    # bfloat16: bf16 compute, the fake quantization on fp32 weights (tests/test_sharded_load.py checks how).
     from core.patterns import NMPattern
     from qat.qparams import read_qparams
 
@@ -304,7 +316,8 @@ def test_qat_through_the_trainer_keeps_2of4_and_exports_on_grid(dirs, tmp_path):
     save_hf(student, _mk(tmp_path / "s24"), tokenizer=make_byte_tokenizer())
     save_masks(student, masks, tmp_path / "s24")
     cmd = TORCHRUN[:-1] + ["debug_qat", "--student", str(tmp_path / "s24"), "--teacher", str(dirs / "teacher"),
-                           "--dump_folder", str(tmp_path / "run"), "--export_dir", str(tmp_path / "out")]
+                           "--dump_folder", str(tmp_path / "run"), "--export_dir", str(tmp_path / "out"),
+                           "--training.mixed_precision_param", dtype]
     proc = subprocess.run(cmd, check=False, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = load_hf(tmp_path / "out")
@@ -329,9 +342,12 @@ def test_qat_through_the_trainer_keeps_2of4_and_exports_on_grid(dirs, tmp_path):
     (["--config", "debug_distill", "--training.global_batch_size", "3"],
      "--training.global_batch_size 3 is not a multiple of --training.local_batch_size 2 x data-parallel degree 2"),
     (["--config", "debug_distill", "--teacher", "/nonexistent/teacher"], "--teacher: "),
-], ids=["unknown-config", "unknown-key", "global-batch", "missing-teacher"])
+    (["--config", "debug_distill", "activation_checkpoint:selective"], "activation checkpointing policy SelectiveAC is not supported"),
+], ids=["unknown-config", "unknown-key", "global-batch", "missing-teacher", "selective-ac"])
 def test_bad_launch_is_one_line_before_any_rank_starts(dirs, tmp_path, args, named):
-    cmd = LAUNCH[:-2] + args + ["--student", str(dirs / "student"), "--dump_folder", str(tmp_path / "run")]
+    subcommands = [a for a in args if a.startswith("activation_checkpoint:")]  # tyro: after the options
+    cmd = LAUNCH[:-2] + [a for a in args if a not in subcommands] + [
+        "--student", str(dirs / "student"), "--dump_folder", str(tmp_path / "run"), *subcommands]
     proc = subprocess.run(cmd, check=False, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
     lines = proc.stderr.splitlines()
@@ -372,3 +388,22 @@ def test_wandb_offline_run_holds_training_and_evaluation_and_survives_a_requeue(
         k: v for r in runs for k, v in r["summary"].items()}
     assert summary["eval/en/kl_mean"] == pytest.approx(evaluated["kl_mean"])
     assert summary["eval/table/nrows"] == 1
+
+
+def test_launcher_refuses_more_ranks_than_the_node_or_the_allocation_has(monkeypatch):
+    from train import cpu_shims
+
+    cpu_shims.apply()
+    from core.errors import SmeltError
+    from train.config_registry import debug_distill
+    from train.launch import check_world
+
+    cfg = debug_distill()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    with pytest.raises(SmeltError, match="--nproc 8: this node has 4 GPU"):
+        check_world(cfg, 8, "1")
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "2")
+    with pytest.raises(SmeltError, match="--nproc 4: the Slurm allocation has 2 GPU"):
+        check_world(cfg, 4, "1")
+    check_world(cfg, 2, "2")  # 2 nodes x 2 ranks: fine

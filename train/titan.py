@@ -119,11 +119,14 @@ def shard_model(module: torch.nn.Module, blocks, mesh, mp: MixedPrecisionPolicy,
 def parallelize(model: SmeltModel, *, parallel_dims, training, parallelism, compile_config, ac_config,
                 dump_folder):
     """Transforms in the order they apply: activation checkpointing, compile, FSDP2."""
-    if ac_config is not None:
-        ac_config.build(dump_folder=dump_folder).apply(model.inner)
+    # Both keep module names unchanged (no wrapper modules), so masks, qparams, sharded loading and DCP keys
+    # stay the same whichever is on.
+    if ac_config is not None:  # full activation checkpointing (train.trainer.check_config refuses the others)
+        model.inner.recompute_blocks = True
+        logger.info("Activation checkpointing: every block is recomputed in backward")
     if compile_config.enable and "model" in compile_config.components:
-        for name, blk in list(model.inner.layers.items()):
-            model.inner.layers[name] = torch.compile(blk, backend=compile_config.backend, fullgraph=True)
+        for blk in model.inner.layers.values():
+            blk.compile(backend=compile_config.backend, fullgraph=True)  # in place: the same module
     if parallel_dims.fsdp_enabled:
         mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
                                   reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce])

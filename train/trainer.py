@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
@@ -51,6 +52,10 @@ def check_config(config: SmeltTrainer.Config) -> None:
     """The checks that need no model or process group (train.launch runs them before the ranks start)."""
     if not config.student or not Path(config.student).is_dir():
         raise SmeltError(f"--student {config.student!r}: artifact directory does not exist")
+    if config.activation_checkpoint is not None and not isinstance(config.activation_checkpoint, FullAC.Config):
+        policy = type(config.activation_checkpoint).__qualname__.split(".")[0]
+        raise SmeltError(f"activation checkpointing policy {policy} is not supported: use "
+                         f"activation_checkpoint:full or activation_checkpoint:none")
     if config.teacher:
         try:
             resolve_teacher(config.teacher, download=False)
