@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from core.data import KNOWN_CORPORA, calibration_windows, corpus_record, split_corpora
+from core.data import calibration_windows, corpus_record, is_corpus_mix, split_corpora
 from core.device import release_memory
 from core.errors import SmeltError
 from core.text_source import CalibrationSourceConfig, source_record
@@ -48,7 +48,7 @@ class CalibConfig:
             if v < lo:
                 why = ": no calibration data" if name == "n_windows" else ""
                 raise SmeltError(f"calibration {name}={v} must be >= {lo}{why}")
-        if all(name in KNOWN_CORPORA for name in self.corpus.split("+")):
+        if is_corpus_mix(self.corpus):
             split_corpora(self.corpus, "calibration")
         else:
             CalibrationSourceConfig(source=self.corpus)  # a path or hub dataset: checked the same way
@@ -61,8 +61,7 @@ class CalibConfig:
 
     def record(self) -> dict:
         """What a manifest records: these settings plus the corpus's source and text hash."""
-        corpora = all(name in KNOWN_CORPORA for name in self.corpus.split("+"))
-        return {**asdict(self), "corpus_record": corpus_record(self.corpus) if corpora
+        return {**asdict(self), "corpus_record": corpus_record(self.corpus) if is_corpus_mix(self.corpus)
                 else source_record(CalibrationSourceConfig(source=self.corpus))}
 
 

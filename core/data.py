@@ -105,6 +105,12 @@ def _with_bos(chunks: torch.Tensor, bos: int) -> torch.Tensor:
     return torch.cat([torch.full((chunks.shape[0], 1), bos, dtype=torch.long), chunks], dim=1)
 
 
+def is_corpus_mix(source: str) -> bool:
+    """Whether a text source names project corpora ('a+b'), not a path or a hub dataset (core.text_source).
+    A corpus name wins over a local file of the same name."""
+    return all(name in KNOWN_CORPORA for name in source.split("+"))
+
+
 def split_corpora(corpus: str, what: str = "training") -> list[str]:
     """'a+b' -> ['a', 'b'], each a training corpus (evaluation text is refused)."""
     names = corpus.split("+")
@@ -127,7 +133,7 @@ def calibration_windows(tokenizer, n: int, seq_len: int, seed: int = 0,
     A '+'-joined corpus splits the n windows evenly between its parts (the first parts take the
     remainder), so every language the mix names is calibrated on. Any other source (a local path or
     hf:<dataset>) is streamed through core.text_source: its first n windows after a seeded shuffle."""
-    if not all(name in KNOWN_CORPORA for name in corpus.split("+")):
+    if not is_corpus_mix(corpus):
         # Here, not at the top: core.text_source imports this module.
         from core.text_source import calibration_source_windows
         return calibration_source_windows(corpus, tokenizer, n, seq_len, seed)

@@ -4,7 +4,8 @@ A training run writes checkpoints into its dump folder and resumes from the newe
 runs on one folder would interleave checkpoints. The lock is `flock` on `<folder>/.smelt-run.lock`: the
 kernel drops it when the holder dies however it dies, so a lock left by a dead run is simply taken over.
 The file's content (host, pid, start time, command) only names the holder in the refusal. On a shared
-file system the lock is as good as its flock support (NFSv4 and Lustre with `-o flock` support it).
+file system the lock is as good as its flock support (NFSv4 and Lustre with `-o flock` support it; Lustre's
+`-o localflock` locks per node only).
 """
 from __future__ import annotations
 
@@ -46,6 +47,10 @@ class RunLock:
             os.close(fd)
             raise SmeltError(f"{self.what} {self.folder} is in use by a live run ({_holder(self.path)}); "
                              f"wait for it, stop it, or use another folder") from None
+        except OSError as e:  # ENOSYS/ENOLCK: a file system without flock (Lustre -o noflock, some NFS)
+            os.close(fd)
+            raise SmeltError(f"{self.what} {self.folder}: cannot lock {self.path.name} ({e.strerror}); this "
+                             f"file system does not support flock (Lustre: mount with -o flock)") from None
         record = {"host": socket.gethostname(), "pid": os.getpid(),
                   "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
         os.ftruncate(fd, 0)

@@ -30,6 +30,7 @@ tensors, because DCP loads tensors in place, which needs the saved shape, and th
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,9 +47,9 @@ from core.data import (
     CODE_FILES,
     CODE_SUFFIX,
     CORPUS_FILES,
-    KNOWN_CORPORA,
     REPO,
     bos_id,
+    is_corpus_mix,
     read_corpus,
     split_corpora,
 )
@@ -59,6 +60,7 @@ SAMPLE_BY = ("document", "paragraph", "line")  # what one .txt document is (data
 PIECE_CHARS = 4000  # project corpora stream as line-aligned pieces of about this many characters
 CORPUS_SHARDS = 16  # ... in this many shards, so ranks split them and epochs reorder them
 STATE_VERSION = 1
+_log = logging.getLogger(__name__)
 
 
 def _eval_files() -> list[Path]:
@@ -110,8 +112,7 @@ class TextSourceConfig:
                 self.fail("split", f"{src} split {self.split!r} is the evaluation text (WikiText-2 test); "
                                    f"evaluation text must never be trained on")
             return "hf", (name, config or None)
-        names_only = all(n in KNOWN_CORPORA for n in src.split("+"))  # a corpus name wins over a local file
-        if not names_only and ("/" in src or os.sep in src or Path(src).suffix in BUILDERS or Path(src).exists()):
+        if not is_corpus_mix(src) and ("/" in src or os.sep in src or Path(src).suffix in BUILDERS or Path(src).exists()):
             return self._local(Path(src).expanduser())
         try:
             return "corpus", split_corpora(src)
@@ -192,6 +193,11 @@ class PackedTextStream:
         self.rank, self.world = dp_rank, dp_world_size
         self.bos = bos_id(tokenizer)
         kind, self._base = build_dataset(config)
+        if kind == "hf" and self._base.num_shards % dp_world_size:
+            # split_dataset_by_node then has every rank read every shard and keep 1/world of the examples.
+            _log.warning("%s has %d shards, not a multiple of %d data-parallel ranks: every rank downloads and "
+                         "parses all of it; prefer a local copy (parquet folder) with a multiple of the ranks",
+                         config.source, self._base.num_shards, dp_world_size)
         self._field = "text" if kind == "corpus" else config.text_field
         if kind == "corpus":
             self._sep = []

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from core.dtensor import first_error, local, local_slices
-from core.errors import SmeltError
+from core.errors import SmeltError, one_line
 from core.files import atomic_save_safetensors, check_finite, open_safetensors, read_json, read_safetensors
 from core.hf_names import from_hf_name, layer_index, to_hf_name
 from models.llama import LlamaConfig, Transformer
@@ -170,7 +170,12 @@ def load_into(model: Transformer, model_dir: str | Path) -> None:
     """
     model_dir = Path(model_dir)
     index = _hf_index(model_dir, model.cfg)
-    params = dict(model.named_parameters())  # a tied output head is the embedding: loaded once
+    # A tied output head is the embedding: loaded once. Parameters no checkpoint holds (QAT's learned scales)
+    # are someone else's to fill; every checkpoint tensor must find its parameter.
+    params = {n: p for n, p in model.named_parameters() if n in index}
+    missing = sorted(set(index) - set(params) - ({"output.weight"} if model.cfg.tie_embeddings else set()))
+    if missing:
+        raise SmeltError(f"{model_dir}: {index[missing[0]][1]} has no parameter in the model it is loaded into")
     by_file: dict[Path, list[str]] = {}
     for name in params:
         by_file.setdefault(index[name][0], []).append(name)
@@ -185,8 +190,8 @@ def load_into(model: Transformer, model_dir: str | Path) -> None:
                     t = st.get_slice(index[name][1])[local_slices(params[name])]
                     check_finite(index[name][1], t, f)
                     dst.copy_(t.to(dst.dtype))
-    except SmeltError as e:
-        error = str(e)
+    except Exception as e:  # noqa: BLE001 - any failure, agreed by every rank, else the others hang
+        error = one_line(e) if isinstance(e, SmeltError) else f"{model_dir}: {type(e).__name__}: {one_line(e)}"
     error = first_error(error)
     if error:
         raise SmeltError(error)

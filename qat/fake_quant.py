@@ -194,15 +194,19 @@ def init_scales(model: nn.Module) -> list[str]:
     return list(mods)
 
 
+def freeze_weight(w: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, spec: QuantSpec
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(int8 codes, fp32 scale, zero point) of one full weight, on the CPU: what the forward used (the scale
+    clamped as in quantized_weight) and what the export writes."""
+    scale = scale.detach().float().clamp_min(torch.finfo(torch.float32).eps)
+    codes = quantize(w.detach().float(), scale, zp, spec)
+    return codes.cpu(), scale.cpu(), None if zp is None else zp.detach().to("cpu", copy=True)
+
+
 @torch.no_grad()
 def freeze(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-    """{module name: (int8 codes [out, in], fp32 scale [out, n_groups], int8 zero point or None)} for
-    export, on the CPU (the codes of a large model need not sit on the accelerator); dequantize() of these
-    equals the weight the forward used. Collective under FSDP2."""
-    out = {}
-    for name, m in fake_quant_modules(model).items():
-        w = full(m.weight.detach()).float()
-        scale = full(m.weight_scale.detach()).float().clamp_min(torch.finfo(torch.float32).eps)
-        zp = m.weight_zero_point
-        out[name] = (quantize(w, scale, zp, m.spec).cpu(), scale.cpu(), None if zp is None else zp.detach().to("cpu", copy=True))
-    return out
+    """{module name: freeze_weight(...)} of every fake-quantized linear; dequantize() of these equals the
+    weight the forward used. Collective under FSDP2 (every rank gets every module's codes)."""
+    return {name: freeze_weight(full(m.weight.detach()), full(m.weight_scale.detach()), m.weight_zero_point,
+                                m.spec)
+            for name, m in fake_quant_modules(model).items()}

@@ -50,6 +50,9 @@ smelt_rendezvous() {
 # to every step, then SIGKILL after KillWait; a preemption with PreemptMode=REQUEUE/CANCEL does the same and
 # Slurm requeues by itself if it should): the job is never requeued from here and exits 143.
 smelt_run_step() {
+  # slurm/task.sh also touches this node-local file on SIGUSR1, and the trainer checks it before every step:
+  # a signal that arrives while the ranks still load (or before torchrun has started them) is not lost.
+  export SMELT_STOP_FILE="${TMPDIR:-/tmp}/smelt-stop-${SLURM_JOB_ID}-${SLURM_RESTART_COUNT:-0}"
   _smelt_usr1=0
   _smelt_term=0
   _smelt_signalled=0

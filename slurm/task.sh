@@ -19,11 +19,14 @@
 set -uo pipefail
 [ $# -gt 0 ] || { echo "error: usage: slurm/task.sh COMMAND [ARG...]" >&2; exit 2; }
 
+# A stop file left by an earlier run with this job id and restart count (job ids wrap) must not stop this one.
+[ -z "${SMELT_STOP_FILE:-}" ] || rm -f "$SMELT_STOP_FILE"
 trap '' USR1
 "$@" &
 child=$!
 forward_usr1() {
   signalled=1
+  [ -z "${SMELT_STOP_FILE:-}" ] || touch "$SMELT_STOP_FILE"  # read by the trainer before each step
   pkill -USR1 -P "$child" 2>/dev/null || true
 }
 trap forward_usr1 USR1

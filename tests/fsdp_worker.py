@@ -26,7 +26,7 @@ def sharded(model_dir: str, mp: MixedPrecisionPolicy, fake_quant: bool) -> Trans
     with torch.device("meta"):
         model = Transformer(config_from_hf(read_hf_config(model_dir)))
     if fake_quant:
-        swap_to_fake_quant(model, QuantSpec(bits=4, symmetric=True, group_size=32))
+        swap_to_fake_quant(model, QuantSpec(bits=4, symmetric=True, group_size=32), learn_scale=True)
     shard_model(model, model.layers.values(), init_device_mesh("cpu", (2,)), mp, gloo=True)
     model.to_empty(device="cpu")
     load_into(model, model_dir)

@@ -10,7 +10,8 @@ import pytest
 from conftest import ROOT, tiny_config
 
 from configs.memory import ROWS, Shape, read_registry, read_shape
-from configs.recipe import load, main, set_value
+from configs.recipe import main
+from configs.recipe_spec import load, set_value
 from core.errors import run_cli
 from models.hf_io import config_to_hf
 from models.llama import FLAVORS, build_model
@@ -159,6 +160,8 @@ BAD = [
     (["--set", "stages.recover.kind=distil"], "stages[2].kind 'distil' is not one of"),
     (["--set", "stages.nope.steps=1"], "no stage named 'nope'"),
     (["--set", "data.calibration=wikitext2-test"], "never be calibrated on"),
+    (["--set", "data.train=/no/such/data.jsonl"], "data.train: --dataloader.source: path /no/such/data.jsonl does not"),
+    (["--set", "data.calibration=/no/such/calib"], "data.calibration: calibration.source: path /no/such/calib"),
     (["--stage", "recoverr"], "is not a stage of"),
     (["--json", "x.json"], "--json needs --dry-run"),
 ]

@@ -232,6 +232,28 @@ def test_one_live_run_per_dump_folder_and_ranks_stop_with_their_launcher(dirs):
     assert "Loading the checkpoint" in third.stdout + third.stderr
 
 
+def test_the_stop_file_checkpoints_and_exits_like_a_signal(dirs, tmp_path):
+    # slurm/task.sh touches $SMELT_STOP_FILE on SIGUSR1: it works even when the ranks ignored the signal.
+    stop = tmp_path / "stop"
+    cmd = LAUNCH[:-1] + ["debug_distill", "--student", str(dirs / "student"), "--teacher", str(dirs / "teacher"),
+                         "--dump_folder", str(dirs / "stopfile"), "--training.steps", "100000",
+                         "--checkpoint.interval", "100000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(_env(), SMELT_STOP_FILE=str(stop)), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    for line in proc.stdout:
+        if "step:  2" in line:
+            stop.touch()
+            break
+    try:
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            _kill_run(proc, dirs / "stopfile")
+    assert proc.returncode == 0
+    steps = [p for p in (dirs / "stopfile" / "checkpoint").glob("step-*") if (p / ".metadata").exists()]
+    assert len(steps) == 1 and int(steps[0].name.split("-")[1]) >= 2
+
+
 def test_nan_loss_stops_with_a_message_and_keeps_the_checkpoint(dirs):
     # A huge learning rate blows the weights up after the first steps -> non-finite loss/gradients.
     proc = torchrun(dirs, "nan", config="debug_diverge")

@@ -99,6 +99,7 @@ def main() -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun, "-m", "train.run", *run_args]
     sys.stdout.flush()
     sys.stderr.flush()
+    os.environ["SMELT_LAUNCHER_PID"] = str(os.getpid())  # the ranks' parent after the exec: see train.run
     os.execv(sys.executable, cmd)
 
 

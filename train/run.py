@@ -44,7 +44,9 @@ def exit_with_launcher(sig: int = signal.SIGTERM) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     PR_SET_PDEATHSIG = 1
     libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    if os.getppid() == 1:  # the launcher died before the line above ran
+    launcher = os.environ.get("SMELT_LAUNCHER_PID")  # train.launch's pid, which torchrun keeps (exec)
+    orphaned = os.getppid() != int(launcher) if launcher else os.getppid() == 1
+    if orphaned:  # the launcher died before prctl ran
         os.kill(os.getpid(), sig)
 
 

@@ -92,12 +92,15 @@ def fsdp_mesh(parallel_dims):
     return parallel_dims.get_mesh("fsdp" if parallel_dims.spmd_backend == "partial_dtensor" else "dp_shard")
 
 
-def shard_model(module: torch.nn.Module, blocks, mesh, mp: MixedPrecisionPolicy, gloo: bool) -> None:
+def shard_model(module: torch.nn.Module, blocks, mesh, mp: MixedPrecisionPolicy, gloo: bool,
+                forward_only: bool = False) -> None:
     """FSDP2: each block its own unit, then the root (embeddings, norm, head).
 
     Fake-quantized linears get their own unit gathering fp32 weights whatever the compute dtype: they
     quantize the fp32 master weight (the codes the export writes) and only the dequantized weight meets
     the bf16 activations. A bf16 gather would round the weights first and train other codes.
+    forward_only (the frozen teacher): the root is resharded after each forward too; FSDP2 otherwise keeps
+    it gathered until a backward that never comes (the embedding and head, whole, on every rank).
     """
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
                                 cast_forward_inputs=False)
@@ -107,7 +110,7 @@ def shard_model(module: torch.nn.Module, blocks, mesh, mp: MixedPrecisionPolicy,
                 if isinstance(m, FakeQuantLinear):
                     fully_shard(m, mesh=mesh, mp_policy=fp32)
         fully_shard(blk, mesh=mesh, mp_policy=mp)
-    fully_shard(module, mesh=mesh, mp_policy=mp)
+    fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=True if forward_only else None)
     for m in module.modules():
         if isinstance(m, FSDPModule):
             # The loss is already a sum / global token count, so gradients are summed, not averaged.
@@ -126,7 +129,8 @@ def parallelize(model: SmeltModel, *, parallel_dims, training, parallelism, comp
         logger.info("Activation checkpointing: every block is recomputed in backward")
     if compile_config.enable and "model" in compile_config.components:
         for blk in model.inner.layers.values():
-            blk.compile(backend=compile_config.backend, fullgraph=True)  # in place: the same module
+            # In place (the same module). Not fullgraph: a QAT block holds nested FSDP2 units (fp32 linears).
+            blk.compile(backend=compile_config.backend)
     if parallel_dims.fsdp_enabled:
         mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
                                   reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce])

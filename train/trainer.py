@@ -5,7 +5,8 @@
   FSDP2 like the student so a large teacher fits.
 - Masks: masks.safetensors of the student artifact become a MaskSet; gradients of removed weights are
   zeroed after every backward and the weights re-masked after every optimizer step.
-- Faults: SIGTERM/SIGUSR1 -> checkpoint after the current step, exit 0 (Slurm preemption/time-out);
+- Faults: SIGTERM/SIGUSR1 (or the file $SMELT_STOP_FILE, which slurm/task.sh touches) -> checkpoint after
+  the current step, exit 0 (Slurm preemption/time-out);
   a NaN/inf loss or gradient stops before the optimizer step, so the last checkpoint stays good.
 - Export: at the last step the student is gathered and written as an HF artifact (+ masks, manifest).
 """
@@ -37,7 +38,7 @@ from core.runlock import RunLock
 from models.hf_io import config_from_hf, load_into, load_tokenizer, read_hf_config, save_hf
 from models.llama import Transformer
 from models.teacher import resolve_teacher
-from qat.fake_quant import fake_quant_modules, freeze
+from qat.fake_quant import fake_quant_modules, freeze_weight
 from qat.qparams import save_qparams
 from qat.quantizers import dequantize
 from train.masks import MaskSet
@@ -102,9 +103,12 @@ class SmeltTrainer(Trainer):
         self.student = self.model_parts[0].inner
         self.teacher = self._build_teacher(teacher_dir) if teacher_dir else None
         self.masks = MaskSet(self.student, load_masks(config.student))
-        if len(self.masks) and self.masks.violations():
+        bad = torch.tensor(self.masks.violations(), device=self.device)  # this rank's shards only
+        if dist.is_initialized():
+            dist.all_reduce(bad)  # every rank raises, or none does
+        if bad.item():
             raise SmeltError(f"--student {config.student}: weights are non-zero where masks.safetensors "
-                             f"removes them ({self.masks.violations()} weights); the artifact is broken")
+                             f"removes them ({bad.item()} weights); the artifact is broken")
         for opt in self.optimizers.optimizers:
             opt.register_step_pre_hook(self._before_optimizer_step)
             opt.register_step_post_hook(self._after_optimizer_step)
@@ -129,13 +133,24 @@ class SmeltTrainer(Trainer):
         if self.parallel_dims.fsdp_enabled:
             mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
             shard_model(teacher, teacher.layers.values(), fsdp_mesh(self.parallel_dims), mp,
-                        gloo=self.device.type == "cpu")
+                        gloo=self.device.type == "cpu", forward_only=True)
         teacher.to_empty(device=self.device)
         if cfg.tie_embeddings and teacher.output.weight is not teacher.tok_embeddings.weight:
             teacher.output.weight = teacher.tok_embeddings.weight  # plain to_empty unties; FSDP2 keeps it
         load_into(teacher, teacher_dir)
         teacher.init_rope(self.device)
         return teacher
+
+    def _cpu_model(self) -> Transformer:
+        """An empty fp32 CPU copy of the student's architecture (the export fills it)."""
+        with torch.device("meta"):
+            model = Transformer(self.student.cfg)
+        model = model.to_empty(device="cpu")
+        for k in set(model.layers.keys()) - set(self.student.layers.keys()):
+            del model.layers[k]  # depth-pruned students keep their original layer keys
+        if model.cfg.tie_embeddings:
+            model.output.weight = model.tok_embeddings.weight
+        return model
 
     def _autocast(self):
         """bf16 compute without FSDP (one device): torchtitan casts parameters only through fully_shard."""
@@ -199,6 +214,9 @@ class SmeltTrainer(Trainer):
         self._stop_requested = True
 
     def should_continue_training(self) -> bool:
+        stop_file = os.environ.get("SMELT_STOP_FILE")  # slurm/task.sh: a USR1 that came before our handler
+        if stop_file and os.path.exists(stop_file):
+            self._stop_requested = True
         flag = torch.tensor([int(self._stop_requested)], dtype=torch.int32, device=self.device)
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank must take the same branch
@@ -228,35 +246,30 @@ class SmeltTrainer(Trainer):
         A QAT student is written as its fake-quantized weights (so the artifact's logits are the
         quantized model's) plus qparams.safetensors with the scales the release packs.
         """
-        # Gathered one tensor at a time (collectives) and kept on rank 0 only: the other ranks never hold
-        # the whole model.
+        # Gathered one tensor at a time (each full() is a collective: every rank, the same order) and copied
+        # straight into a CPU model that only rank 0 builds: no other rank ever holds the whole model.
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        weights, masks = {}, {}
+        model = self._cpu_model() if rank0 else None
+        cpu = dict(model.named_parameters()) if rank0 else {}
         for name, p in self.student.named_parameters():
             t = full(p.detach())
-            if rank0:
-                weights[name] = t.float().cpu()
+            if rank0 and name in cpu:  # QAT's learned scales are read below, per module
+                cpu[name].copy_(t)
             del t
+        frozen, spec = {}, None
+        for name, m in fake_quant_modules(self.student).items():
+            scale = full(m.weight_scale.detach())  # a sharded parameter when learned
+            if rank0:  # the artifact holds the weights the forward used: dequantize(codes)
+                w, spec = cpu[f"{name}.weight"], m.spec
+                frozen[name] = freeze_weight(w, scale, m.weight_zero_point, spec)
+                w.copy_(dequantize(*frozen[name], spec))
+        masks = {}
         for n, _, m in self.masks.pairs:
             t = full(m.to(torch.uint8))
             if rank0:
                 masks[n] = t.bool().cpu()
-        frozen = freeze(self.student) if fake_quant_modules(self.student) else {}
         if not rank0:
             return
-        with torch.device("meta"):
-            model = Transformer(self.student.cfg)
-        model = model.to_empty(device="cpu")
-        for k in set(model.layers.keys()) - set(self.student.layers.keys()):
-            del model.layers[k]  # depth-pruned students keep their original layer keys
-        spec = None
-        for name, (q, scale, zp) in frozen.items():
-            spec = fake_quant_modules(self.student)[name].spec
-            weights[f"{name}.weight"] = dequantize(q, scale, zp, spec).float()
-        wanted = model.state_dict().keys()
-        model.load_state_dict({k: v for k, v in weights.items() if k in wanted}, strict=False)
-        if model.cfg.tie_embeddings:
-            model.output.weight = model.tok_embeddings.weight
         cfg = self.config
         tok_src = cfg.student if (Path(cfg.student) / "tokenizer.json").is_file() else self.teacher_dir
         stage = "qat" if frozen else ("distill" if self.teacher is not None else "train")

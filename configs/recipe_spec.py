@@ -1,0 +1,293 @@
+"""The recipe file format: typed stages, data, parallelism; loaded from TOML with --set values, checked once.
+
+`configs.recipe` plans and runs what this describes; configs/recipes/smollm2-cpu.toml is the commented
+example of the format.
+"""
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from configs.memory import read_registry
+from configs.schema import build
+from core.calibrate import CalibConfig
+from core.data import EvalConfig
+from core.errors import SmeltError
+from core.patterns import NMPattern
+from core.text_source import TextSourceConfig
+
+KINDS = ("teacher", "prune", "recover", "mtp", "ptq", "qat", "release", "verify", "report", "evaluate")
+TRAINING = ("recover", "mtp", "qat")
+MODELS = ("prune", "recover", "mtp", "ptq", "qat")  # write an HF artifact, evaluated against the teacher
+NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a stage name is a Slurm job name and a file name
+PY = "python"  # sys.executable in the commands (printed as `python`)
+
+
+@dataclass
+class Data:
+    train: str | None = None        # training text source (--dataloader.source); None: the config's own
+    calibration: str | None = None  # prune/ptq calibration corpus (--calib-corpus); None: their default
+
+
+@dataclass
+class Parallelism:
+    nodes: int = 1
+    nproc: int = 1                  # ranks per node: GPUs per node, or CPU processes
+    device: str = "cpu"             # what the memory estimate is per: "cpu" (rank) or "gpu"
+    gpu_memory_gib: float | None = None  # the plan flags a training stage estimated above it
+
+
+@dataclass
+class Stage:
+    kind: str
+    name: str = ""                  # default: the kind
+    src: str = field(default="", init=False)  # resolved input (check)
+    dst: str = field(default="", init=False)  # resolved output
+
+
+@dataclass
+class TeacherStage(Stage):          # models.teacher (fetch, verify, import); zh-train if used; evaluate
+    evaluate: bool = True
+
+
+@dataclass
+class PruneStage(Stage):            # prune.run on the teacher
+    out: str = ""                   # directory under run_dir; default: the stage name
+    method: str = "sparsegpt"
+    pattern: str | None = None      # N:M, or:
+    sparsity: float | None = None
+    calib_windows: int | None = None  # None: the CLI's default (core.calibrate.CalibConfig)
+    calib_seq_len: int | None = None
+    evaluate: bool = True
+
+
+@dataclass
+class TrainStage(Stage):            # recover / qat (train.launch) / mtp (planned)
+    steps: int = 0
+    config: str = ""                # a function of train/config_registry.py
+    input: str = ""                 # an earlier stage's name or an artifact directory; default: the last
+    out: str = ""
+    local_batch: int | None = None  # None: the config's value; another value is passed as an override
+    global_batch: int | None = None
+    seq_len: int | None = None
+    dtype: str | None = None        # training.mixed_precision_param
+    evaluate: bool = True
+    budget: dict = field(default_factory=dict, init=False)
+
+
+@dataclass
+class PtqStage(Stage):              # qat.ptq
+    input: str = ""
+    out: str = ""
+    method: str = "gptq"
+    bits: int | None = None
+    group_size: int | None = None
+    act_order: bool = False
+    calib_windows: int | None = None  # None: qat.ptq's default (128 x 512, as CalibConfig's)
+    calib_seq_len: int | None = None
+    evaluate: bool = True
+
+
+@dataclass
+class ReleaseStage(Stage):          # qat.release
+    input: str = ""
+    out: str = ""
+    metrics: bool = True            # keep the input's evaluation (evals/<input>.json) in the manifest
+
+
+@dataclass
+class InputStage(Stage):            # verify (qat.verify of a release), evaluate (into evals/<name>.json)
+    input: str = ""
+
+
+TYPES = {"teacher": TeacherStage, "prune": PruneStage, "recover": TrainStage, "mtp": TrainStage,
+         "qat": TrainStage, "ptq": PtqStage, "release": ReleaseStage, "verify": InputStage,
+         "evaluate": InputStage, "report": Stage}  # report: eval.report over run_dir/evals
+
+
+@dataclass
+class Recipe:
+    name: str
+    teacher: str                    # registered name, .gguf or HF directory (models.teacher)
+    run_dir: str
+    stages: list                    # [[stages]] tables; load() builds each by its kind
+    teacher_config: str | None = None  # config.json for the plan's shapes when the teacher is elsewhere
+    data: Data = field(default_factory=Data)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    eval: dict | None = None        # core.data.EvalConfig keys; None: eval.evaluate's defaults
+
+    @property
+    def dp(self) -> int:            # FSDP2 shards over every rank (data_parallel_shard_degree = -1)
+        return self.parallelism.nodes * self.parallelism.nproc
+
+    def evals(self, artifact: str) -> str:
+        return str(Path(self.run_dir) / "evals" / f"{Path(artifact).name}.json")
+
+
+# ---- loading: TOML, environment, --set; typed; checked ------------------------------------------------
+def set_value(values: dict, assignment: str) -> None:
+    """Apply one `--set a.b.c=VALUE` to the raw TOML values (`stages.NAME.key` finds the stage by name)."""
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key:
+        raise SmeltError(f"--set {assignment!r}: expected KEY=VALUE, e.g. stages.recover.steps=2")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word or a path
+    node, parts = values, key.split(".")
+    if parts[0] == "stages" and len(parts) > 2:
+        names = [s.get("name", s.get("kind")) for s in values.get("stages", []) if isinstance(s, dict)]
+        if parts[1] not in names:
+            raise SmeltError(f"--set {key}: no stage named {parts[1]!r} "
+                             f"(stages: {', '.join(map(str, names))})")
+        node, parts = [s for s in values["stages"] if isinstance(s, dict)][names.index(parts[1])], parts[2:]
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise SmeltError(f"--set {key}: {part!r} is not a table")
+    node[parts[-1]] = value
+
+
+def load(path: str | Path, sets: list[str] = (), env: dict | None = None) -> Recipe:
+    """Read, override and check a recipe: every problem is one SmeltError naming the key."""
+    path, env = Path(path), os.environ if env is None else env
+    if not path.is_file():
+        raise SmeltError(f"recipe {path} does not exist")
+    try:
+        values = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise SmeltError(f"recipe {path}: {e}") from None
+    for var, key in (("SMELT_NNODES", "nodes"), ("SMELT_NPROC", "nproc")):
+        if env.get(var):
+            set_value(values, f"parallelism.{key}={env[var]}")
+    for s in sets:
+        set_value(values, s)
+    recipe = build(Recipe, values)
+    stages = []
+    for i, raw in enumerate(recipe.stages):
+        if not isinstance(raw, dict) or raw.get("kind") not in TYPES:
+            kind = raw.get("kind") if isinstance(raw, dict) else None
+            raise SmeltError(f"stages[{i}].kind {kind!r} is not one of {', '.join(KINDS)}")
+        stages.append(build(TYPES[raw["kind"]], raw, f"stages[{i}]"))
+    recipe.stages = stages
+    check(recipe, read_registry())
+    return recipe
+
+
+def _input(st: Stage, where: str, outputs: dict, default: str | None, want: tuple) -> str:
+    """What a stage reads: an earlier stage's output (by name), an existing directory, or `default`."""
+    ref = st.input or default
+    if ref is None:
+        raise SmeltError(f"{where} ({st.kind}) has no input: no earlier stage writes a {' or '.join(want)} "
+                         f"artifact; set {where}.input to a stage name or an artifact directory")
+    if ref in outputs:
+        kind, path = outputs[ref]
+        if kind not in want:
+            raise SmeltError(f"{where}.input {ref!r} is a {kind} stage; a {st.kind} stage reads "
+                             f"{' or '.join(want)} output")
+        return path
+    if Path(ref).is_dir():
+        return ref
+    raise SmeltError(f"{where}.input {ref!r} is neither an earlier stage nor an existing artifact directory")
+
+
+def _budget(recipe: Recipe, st: TrainStage, where: str, registry: dict) -> dict:
+    if st.kind != "mtp" and st.config not in registry:
+        raise SmeltError(f"{where}.config {st.config!r} is not a config of train/config_registry.py "
+                         f"({', '.join(registry)})")
+    if st.steps <= 0:
+        raise SmeltError(f"{where}.steps={st.steps} must be > 0")
+    reg = registry.get(st.config, {})
+    b = {k: reg.get(k) if getattr(st, k) is None else getattr(st, k)
+         for k in ("local_batch", "global_batch", "seq_len", "dtype")}
+    b.update(steps=st.steps, config=st.config, source=recipe.data.train or reg.get("source"),
+             activation_checkpoint=reg.get("activation_checkpoint", False),
+             fake_quant=reg.get("fake_quant", False))
+    for key in ("local_batch", "seq_len"):
+        if b[key] is None:
+            raise SmeltError(f"{where}.{key} is required (config {st.config or '-'} does not set it)")
+    b["dtype"] = b["dtype"] or "float32"
+    if b["dtype"] not in ("float32", "bfloat16"):
+        raise SmeltError(f"{where}.dtype {b['dtype']!r} is not float32 or bfloat16")
+    if b["local_batch"] < 1 or b["seq_len"] < 2:
+        raise SmeltError(f"{where}: local_batch >= 1 and seq_len >= 2 are required")
+    per_step = b["local_batch"] * recipe.dp
+    b["global_batch"] = b["global_batch"] or per_step
+    if b["global_batch"] % per_step:
+        raise SmeltError(f"{where}.global_batch={b['global_batch']} is not divisible by local_batch "
+                         f"{b['local_batch']} x data-parallel degree {recipe.dp} "
+                         f"({recipe.parallelism.nodes} node(s) x {recipe.parallelism.nproc} ranks)")
+    flags = {"local_batch": "--training.local_batch_size", "global_batch": "--training.global_batch_size",
+             "seq_len": "--training.seq_len", "dtype": "--training.mixed_precision_param",
+             "source": "--dataloader.source"}
+    # Only what differs from the config is passed: a recipe restating it runs scripts/recipe.sh's command.
+    b["overrides"] = [x for k, flag in flags.items() if b[k] is not None and b[k] != reg.get(k)
+                      for x in (flag, str(b[k]))]
+    return b
+
+
+def check(recipe: Recipe, registry: dict) -> None:
+    """Everything that can be checked before running: values, names, the chain of inputs and outputs."""
+    par = recipe.parallelism
+    if par.nodes < 1 or par.nproc < 1 or par.device not in ("cpu", "gpu"):
+        raise SmeltError(f"parallelism: nodes >= 1, nproc >= 1 and device 'cpu' or 'gpu' are required "
+                         f"(got {par.nodes}, {par.nproc}, {par.device!r})")
+    # The same checks train.launch, prune.run and qat.ptq make: a missing file fails now, not in a job hours
+    # into the chain.
+    for key, check_source in (("train", lambda v: TextSourceConfig(source=v)),
+                              ("calibration", lambda v: CalibConfig(corpus=v))):
+        value = getattr(recipe.data, key)
+        if value:
+            try:
+                check_source(value)
+            except SmeltError as e:
+                raise SmeltError(f"data.{key}: {e}") from None
+    if recipe.eval is not None:
+        build(EvalConfig, recipe.eval, "eval")
+    if not recipe.stages:
+        raise SmeltError("a recipe needs at least one [[stages]] table")
+    run, names = Path(recipe.run_dir), set()
+    outputs = {"teacher": ("teacher", recipe.teacher)}  # name -> (kind, path) of what later stages read
+    last = {"model": None, "release": None}
+    for i, st in enumerate(recipe.stages):
+        where = f"stages[{i}]"
+        st.name = st.name or st.kind
+        teacher_name = (st.name == "teacher") != (st.kind == "teacher")
+        if st.name in names or not NAME.fullmatch(st.name) or teacher_name:
+            raise SmeltError(f"{where}.name {st.name!r}: names are unique, made of letters, digits, '_', "
+                             f"'.' and '-', and 'teacher' is the teacher stage's")
+        names.add(st.name)
+        if st.kind == "teacher":
+            st.dst = recipe.teacher
+        elif st.kind in MODELS or st.kind == "release":
+            st.dst = str(run / (st.out or st.name))
+        if isinstance(st, PruneStage) and (st.pattern is None) == (st.sparsity is None):
+            raise SmeltError(f"{where}: set exactly one of pattern (N:M) and sparsity")
+        if isinstance(st, PruneStage) and st.pattern is not None:
+            NMPattern.parse(st.pattern, f"{where}.pattern")
+        if isinstance(st, (PruneStage, PtqStage)) and st.calib_windows is not None and st.calib_windows < 1:
+            raise SmeltError(f"{where}.calib_windows={st.calib_windows} must be >= 1")
+        if st.kind == "verify":
+            st.src = _input(st, where, outputs, last["release"], ("release",))
+        elif st.kind == "evaluate":
+            st.src = _input(st, where, outputs, last["model"] or "teacher", (*MODELS, "teacher"))
+            st.dst = recipe.evals(st.name)
+        elif st.kind == "ptq":  # quantizes the teacher itself when nothing came before
+            st.src = _input(st, where, outputs, last["model"] or "teacher", (*MODELS, "teacher"))
+        elif hasattr(st, "input"):
+            st.src = _input(st, where, outputs, last["model"], MODELS)
+        if isinstance(st, TrainStage):
+            st.budget = _budget(recipe, st, where, registry)
+        if isinstance(st, ReleaseStage) and st.metrics:
+            parent = next((s for s in recipe.stages[:i] if s.dst == st.src), None)
+            if parent is not None and not parent.evaluate:
+                raise SmeltError(f"{where}.metrics needs stage {parent.name!r} evaluated (evaluate = true), "
+                                 f"or set metrics = false")
+        if st.kind in MODELS or st.kind == "release":
+            outputs[st.name] = (st.kind, st.dst)
+            last["model" if st.kind in MODELS else "release"] = st.name
+
+
