@@ -203,9 +203,8 @@ class SmeltTrainer(Trainer):
             if dist.is_initialized():
                 dist.all_reduce(vals)
                 vals /= dist.get_world_size()
-            logged = {f"loss_metrics/{k}": float(v) for k, v in zip(self._step_metrics, vals)}
-            logged["lr"] = self.lr_schedulers.schedulers[0].get_last_lr()[0]  # the rate this step used
-            self.metrics_processor.logger.log(logged, self.step)
+            self.metrics_processor.logger.log(
+                {f"loss_metrics/{k}": float(v) for k, v in zip(self._step_metrics, vals)}, self.step)
         self._step_metrics = {}
 
     # ---- preemption ----------------------------------------------------------------------------
