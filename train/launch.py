@@ -42,8 +42,8 @@ def _parser() -> ArgumentParser:
     return ap
 
 
-def torchrun_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(torchrun's options, train.run's arguments) from the launcher's command line."""
+def torchrun_args(argv: list[str]):
+    """(the launcher's options, torchrun's options, train.run's arguments) from its command line."""
     i = argv.index("--") if "--" in argv else len(argv)
     opts = _parser().parse_args(argv[:i])  # before the check below, so that --help works alone
     if i == len(argv):
@@ -60,7 +60,7 @@ def torchrun_args(argv: list[str]) -> tuple[list[str], list[str]]:
         out.append("--standalone")
     if not opts.all_ranks:
         out += ["--local-ranks-filter", "0"]
-    return out, argv[i + 1:]
+    return opts, out, argv[i + 1:]
 
 
 def check_world(config, nproc: int, nnodes: str) -> None:
@@ -84,9 +84,7 @@ def check_world(config, nproc: int, nnodes: str) -> None:
 
 
 def main() -> None:
-    argv = sys.argv[1:]
-    torchrun, run_args = torchrun_args(argv)
-    opts = _parser().parse_args(argv[:argv.index("--")])
+    opts, torchrun, run_args = torchrun_args(sys.argv[1:])
     # The ranks print the parse's warnings themselves; here only a failure is reported (one line).
     with contextlib.redirect_stderr(io.StringIO()):
         config = parse_config(run_args)
