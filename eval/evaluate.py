@@ -31,6 +31,7 @@ from core.fetch import cache_root
 from core.files import atomic_save_safetensors, atomic_write_text, safetensors_metadata
 from core.tracking import log_evaluation
 from eval.metrics import cat_stats, per_token_stats, summarize
+from eval.needle import run_needle
 from models.hf_io import load_hf, load_tokenizer
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 
@@ -114,6 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--windows", help="per-bucket window counts, e.g. en=16,zh=8,code=8")
     ap.add_argument("--batch-size", type=int, help="windows per forward (EvalConfig default)")
     ap.add_argument("--out", help="write the JSON report here")
+    ap.add_argument("--needle", action="store_true",
+                    help="also run the needle-in-a-haystack evaluation (eval.needle, its default grid) into "
+                         "the report's 'needle' section")
     ap.add_argument("--wandb", action="store_true",
                     help="also log the metrics and table to the stage's wandb run (core.tracking; offline "
                          "unless WANDB_MODE=online)")
@@ -130,9 +134,14 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = Path(args.model) if args.model else teacher_dir
     model = load_hf(model_dir).to(default_device())
     report = evaluate(model, teacher_dir, cfg, teacher=model if model_dir == teacher_dir else None)
+    if args.needle:
+        report["needle"] = run_needle(model, load_tokenizer(teacher_dir))
     report.update(model=str(model_dir), teacher=str(teacher_dir), machine=machine_record(),
                   command=shlex.join(["python", "-m", "eval.evaluate", *(sys.argv[1:] if argv is None else argv)]))
     print(format_table(report, title=f"{model_dir} vs teacher {teacher_dir.name}"))
+    for lang, r in report.get("needle", {}).get("languages", {}).items():
+        print(f"needle {lang}: {r['accuracy']:.0%} retrieved; by length "
+              + ", ".join(f"{n}: {a:.0%}" for n, a in r["by_length"].items()))
     if args.out:
         atomic_write_text(args.out, json.dumps(report, indent=2) + "\n")
     if args.wandb:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_path, atomic_write_text
+from eval.needle import heatmap
 
 STAGE_ORDER = ["teacher", "pruned", "recovered", "gptq", "rtn", "qat"]
 # Per-token KL below this (nats) is the harness's noise floor (fp16-cached teacher log-probs): the tail
@@ -204,6 +205,10 @@ def main() -> None:
     plot(reports, run / "report.png", title=f"{run.name}: KL(teacher‖model) per token, per stage and bucket")
     print(table)
     print(f"\nwrote {run / 'report.md'} and {run / 'report.png'}")
+    needles = {stage: rep["needle"] for stage, rep in reports.items() if "needle" in rep}
+    if needles:  # the stages evaluated with --needle, side by side
+        heatmap(needles, run / "needle.png")
+        print(f"wrote {run / 'needle.png'}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,22 @@ def test_report_orders_stages_and_writes_table_and_plot(tmp_path):
     assert (tmp_path / "report.png").stat().st_size > 1000
 
 
+def test_report_draws_the_needle_heatmaps_of_stages_evaluated_with_needle(tmp_path):
+    cells = [{"length": n, "depth": d, "correct": c, "total": 2} for n, d, c in
+             ((256, 0.0, 2), (256, 1.0, 1), (512, 0.0, 2), (512, 1.0, 0))]
+    needle = {"languages": {"en": {"accuracy": 5 / 8, "by_length": {"256": 0.75, "512": 0.5}, "cells": cells}}}
+    (tmp_path / "evals").mkdir()
+    (tmp_path / "evals" / "teacher.json").write_text(json.dumps({**_rep(0.0), "needle": needle}))
+    (tmp_path / "evals" / "pruned-2of4.json").write_text(json.dumps(_rep(0.8)))  # evaluated without --needle
+    proc = subprocess.run([sys.executable, "-m", "eval.report", "--run", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "needle.png").stat().st_size > 1000
+    from eval.needle import grid
+
+    assert grid({"languages": needle["languages"]}, "en") == ([256, 512], [0.0, 1.0], [[1.0, 0.5], [1.0, 0.0]])
+
+
 def test_report_without_evals_is_a_one_line_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "eval.report", "--run", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, check=False)

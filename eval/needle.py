@@ -1,0 +1,226 @@
+"""Needle in a haystack: can the model still copy a fact from far back in its context?
+
+Perplexity barely notices when a pruned model stops retrieving: this is the ruler for that damage.
+
+    python -m eval.needle --model DIR --out needle.json [--png needle.png] [--compare teacher.json ...]
+    python -m eval.evaluate --model DIR --needle ...    # the same, inside the evaluation report
+
+A prompt of exactly `length` tokens is BOS + evaluation text (the bucket's own text: WikiText-2 test for
+`en`, the zh notes for `zh`; never training text) with a needle sentence inserted at `depth` (0 = right
+after BOS, 1 = just before the question), then a completion-style question:
+
+    ... The secret number of Talvor Emsk is 4821. ...  Question: What is the secret number of Talvor
+    Emsk? Answer: The secret number of Talvor Emsk is
+
+The name (made-up syllables) and the 4-digit value are drawn from a seeded generator, as is where in the
+bucket the haystack starts. Greedy decoding with the KV cache (models.generate.sample); a prompt counts
+as retrieved when the first number in the continuation is the value. Every (length, depth) cell holds
+`samples` prompts; the JSON keeps each cell's count and each prompt's answer.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from configs.schema import build
+from core.data import BUCKETS, bos_id, corpus_tokens
+from core.device import default_device, machine_record
+from core.errors import ArgumentParser, SmeltError, run_cli
+from core.files import atomic_path, atomic_write_text, read_json
+from models.generate import sample
+from models.hf_io import load_hf, load_tokenizer
+from models.teacher import DEFAULT_TEACHER, resolve_teacher
+
+SYLLABLES = ("tal", "vor", "em", "sk", "ka", "ri", "dun", "mel", "os", "ta", "bri", "gan", "lo", "we", "zu")
+TEMPLATES = {  # needle, question (completion style: the answer is the next tokens)
+    "en": (" The secret number of {name} is {value}. ",
+           "\nQuestion: What is the secret number of {name}?\nAnswer: The secret number of {name} is"),
+    "zh": ("{name}的秘密数字是{value}。", "\n问题：{name}的秘密数字是多少？\n答案：{name}的秘密数字是"),
+}
+
+
+@dataclass
+class NeedleConfig:
+    lengths: tuple = (256, 512, 1024, 2048)  # prompt tokens: BOS + haystack + needle + question
+    depths: tuple = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the needle sits in the haystack
+    samples: int = 4  # prompts per (length, depth) cell
+    languages: tuple = ("en",)  # en (WikiText-2 test), zh (the zh bucket)
+    seed: int = 0
+    max_new_tokens: int = 8
+    batch_size: int = 2
+
+    def __post_init__(self):
+        self.lengths, self.depths, self.languages = tuple(self.lengths), tuple(self.depths), tuple(self.languages)
+        if not self.lengths or not all(isinstance(n, int) and n >= 64 for n in self.lengths):
+            raise SmeltError(f"needle lengths={list(self.lengths)} must be integers >= 64")
+        if not self.depths or not all(isinstance(d, (int, float)) and 0 <= d <= 1 for d in self.depths):
+            raise SmeltError(f"needle depths={list(self.depths)} must be numbers in [0, 1]")
+        for name in ("samples", "max_new_tokens", "batch_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise SmeltError(f"needle {name}={getattr(self, name)!r} must be an integer >= 1")
+        unknown = [lang for lang in self.languages if lang not in TEMPLATES]
+        if unknown or not self.languages:
+            raise SmeltError(f"needle languages={list(self.languages)}: each one of {', '.join(TEMPLATES)}")
+
+
+def _name(rng: torch.Generator) -> str:
+    def word(n: int) -> str:
+        picks = torch.randint(len(SYLLABLES), (n,), generator=rng).tolist()
+        return "".join(SYLLABLES[i] for i in picks).capitalize()
+    return f"{word(2)} {word(2)}"
+
+
+def make_prompts(tokenizer, cfg: NeedleConfig, lang: str, length: int) -> list[dict]:
+    """The cell prompts of one length, every depth x sample: token ids (exactly `length`) and the value."""
+    haystack = corpus_tokens(tokenizer, BUCKETS[lang])
+    rng = torch.Generator().manual_seed(cfg.seed * 1_000_003 + length * 7 + list(TEMPLATES).index(lang))
+    needle_t, question_t = TEMPLATES[lang]
+    out = []
+    for depth in cfg.depths:
+        for _ in range(cfg.samples):
+            name, value = _name(rng), int(torch.randint(1000, 10000, (1,), generator=rng))
+            needle = tokenizer(needle_t.format(name=name, value=value), add_special_tokens=False)["input_ids"]
+            question = tokenizer(question_t.format(name=name), add_special_tokens=False)["input_ids"]
+            room = length - 1 - len(needle) - len(question)
+            if room < 1:
+                raise SmeltError(f"needle length {length}: the needle and question alone take "
+                                 f"{length - 1 - room} tokens; use longer lengths")
+            if room > len(haystack):
+                raise SmeltError(f"needle length {length}: bucket {lang} has only {len(haystack)} tokens")
+            start = int(torch.randint(0, len(haystack) - room + 1, (1,), generator=rng))
+            hay = haystack[start:start + room].tolist()
+            at = round(depth * room)
+            ids = [bos_id(tokenizer), *hay[:at], *needle, *hay[at:], *question]
+            out.append({"ids": ids, "value": value, "name": name, "depth": depth, "length": length})
+    return out
+
+
+def first_number(text: str) -> str | None:
+    m = re.search(r"\d+", text)
+    return m.group(0) if m else None
+
+
+@torch.no_grad()
+def run_needle(model, tokenizer, cfg: NeedleConfig | None = None, progress: bool = True) -> dict:
+    """Accuracy per language, length and depth (the JSON the report and the heatmap read)."""
+    cfg = cfg or NeedleConfig()
+    longest = max(cfg.lengths) + cfg.max_new_tokens
+    if longest > model.cfg.max_seq_len:
+        raise SmeltError(f"needle length {max(cfg.lengths)} + {cfg.max_new_tokens} new tokens exceeds the "
+                         f"model's context ({model.cfg.max_seq_len})")
+    device = next(model.parameters()).device
+    result = {"settings": asdict(cfg), "languages": {}}
+    for lang in cfg.languages:
+        prompts = [p for n in cfg.lengths for p in make_prompts(tokenizer, cfg, lang, n)]
+        bar = tqdm(total=len(prompts), desc=f"needle {lang}", leave=False, disable=not progress)
+        for n in cfg.lengths:
+            batch = [p for p in prompts if p["length"] == n]
+            for s in range(0, len(batch), cfg.batch_size):
+                part = batch[s:s + cfg.batch_size]
+                ids = torch.tensor([p["ids"] for p in part], device=device)
+                new = sample(model, ids, cfg.max_new_tokens, temperature=0.0)[:, ids.shape[1]:]
+                for p, row in zip(part, new.tolist()):
+                    p["answer"] = tokenizer.decode(row)
+                    p["correct"] = first_number(p["answer"]) == str(p["value"])
+                bar.update(len(part))
+        bar.close()
+        cells = [{"length": n, "depth": d,
+                  "correct": sum(p["correct"] for p in prompts if p["length"] == n and p["depth"] == d),
+                  "total": cfg.samples} for n in cfg.lengths for d in cfg.depths]
+        result["languages"][lang] = {
+            "accuracy": sum(p["correct"] for p in prompts) / len(prompts),
+            "by_length": {str(n): sum(p["correct"] for p in prompts if p["length"] == n)
+                          / sum(p["length"] == n for p in prompts) for n in cfg.lengths},
+            "cells": cells,
+            "prompts": [{k: p[k] for k in ("length", "depth", "name", "value", "answer", "correct")}
+                        for p in prompts],
+        }
+    return result
+
+
+def grid(result: dict, lang: str) -> tuple[list[int], list[float], list[list[float]]]:
+    """(lengths, depths, accuracy[length][depth]) of one language."""
+    cells = result["languages"][lang]["cells"]
+    lengths = sorted({c["length"] for c in cells})
+    depths = sorted({c["depth"] for c in cells})
+    acc = {(c["length"], c["depth"]): c["correct"] / c["total"] for c in cells}
+    return lengths, depths, [[acc[(n, d)] for d in depths] for n in lengths]
+
+
+def heatmap(results: dict[str, dict], out: Path) -> None:
+    """One panel per (model, language), side by side: accuracy per (length, depth)."""
+    import matplotlib  # here, not at the top: slow to import, and only the plot needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(label, lang) for label, r in results.items() for lang in r["languages"]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.4 * len(panels) + 0.8, 3.4), squeeze=False)
+    for ax, (label, lang) in zip(axes[0], panels):
+        lengths, depths, acc = grid(results[label], lang)
+        im = ax.imshow(acc, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+        ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
+        ax.set_xlabel("needle depth")
+        ax.set_ylabel("prompt tokens")
+        total = results[label]["languages"][lang]["accuracy"]
+        ax.set_title(f"{label} ({lang}): {total:.0%}", fontsize=9)
+        for i, row in enumerate(acc):
+            for j, v in enumerate(row):
+                ax.text(j, i, f"{v:.0%}", ha="center", va="center", fontsize=7)
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="retrieved")
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+
+
+def _parse_list(text: str, kind, flag: str) -> tuple:
+    try:
+        return tuple(kind(x) for x in text.split(","))
+    except ValueError:
+        raise SmeltError(f"{flag} {text!r}: expected comma-separated {kind.__name__} values") from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = ArgumentParser(prog="python -m eval.needle", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="HF model directory (default: the teacher itself)")
+    ap.add_argument("--teacher", default=DEFAULT_TEACHER, help="whose tokenizer; the default model")
+    ap.add_argument("--lengths", help="prompt lengths in tokens, e.g. 256,512,1024,2048")
+    ap.add_argument("--depths", help="needle depths in [0, 1], e.g. 0,0.5,1")
+    ap.add_argument("--samples", type=int, help="prompts per (length, depth) cell")
+    ap.add_argument("--languages", help="en, zh or en,zh")
+    ap.add_argument("--out", help="write the JSON here")
+    ap.add_argument("--png", help="write the heatmap here")
+    ap.add_argument("--compare", nargs="*", default=[], help="other needle JSONs to draw beside this one")
+    args = ap.parse_args(argv)
+    overrides = {k: v for k, v in {
+        "lengths": args.lengths and _parse_list(args.lengths, int, "--lengths"),
+        "depths": args.depths and _parse_list(args.depths, float, "--depths"),
+        "languages": args.languages and _parse_list(args.languages, str, "--languages"),
+        "samples": args.samples}.items() if v}
+    cfg = build(NeedleConfig, overrides)
+    others = {Path(p).stem: read_json(p, "a needle JSON") for p in args.compare}  # checked before the run
+    teacher_dir = resolve_teacher(args.teacher)
+    model_dir = Path(args.model) if args.model else teacher_dir
+    model = load_hf(model_dir).to(default_device()).eval()
+    result = run_needle(model, load_tokenizer(teacher_dir), cfg)
+    result.update(model=str(model_dir), machine=machine_record(),
+                  command=shlex.join(["python", "-m", "eval.needle", *(sys.argv[1:] if argv is None else argv)]))
+    for lang, r in result["languages"].items():
+        print(f"{model_dir.name} {lang}: {r['accuracy']:.0%} retrieved; by length "
+              + ", ".join(f"{n}: {a:.0%}" for n, a in r["by_length"].items()))
+    if args.out:
+        atomic_write_text(args.out, json.dumps(result, indent=2) + "\n")
+    if args.png:
+        heatmap({model_dir.name: result, **others}, Path(args.png))
+
+
+if __name__ == "__main__":
+    run_cli(main)
