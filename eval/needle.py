@@ -5,9 +5,9 @@ Perplexity barely notices when a pruned model stops retrieving: this is the rule
     python -m eval.needle --model DIR --out needle.json [--png needle.png] [--compare teacher.json ...]
     python -m eval.evaluate --model DIR --needle ...    # the same, inside the evaluation report
 
-A prompt of exactly `length` tokens is BOS + evaluation text (the bucket's own text: WikiText-2 test for
-`en`, the zh notes for `zh`; never training text) with a needle sentence inserted at `depth` (0 = right
-after BOS, 1 = just before the question), then a completion-style question:
+A prompt of exactly `length` tokens (core.needle) is BOS + evaluation text (the bucket's own text:
+WikiText-2 test for `en`, the zh notes for `zh`; never training text) with a needle sentence inserted at
+`depth` (0 = right after BOS, 1 = just before the question), then a completion-style question:
 
     ... The secret number of Talvor Emsk is 4821. ...  Question: What is the secret number of Talvor
     Emsk? Answer: The secret number of Talvor Emsk is
@@ -23,83 +23,21 @@ import json
 import re
 import shlex
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from configs.schema import build
-from core.data import BUCKETS, bos_id, corpus_tokens
+from core.data import BUCKETS, corpus_tokens
 from core.device import default_device, machine_record
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_path, atomic_write_text, read_json
+from core.needle import NeedleConfig, make_prompts
 from models.generate import sample
 from models.hf_io import load_hf, load_tokenizer
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
-
-SYLLABLES = ("tal", "vor", "em", "sk", "ka", "ri", "dun", "mel", "os", "ta", "bri", "gan", "lo", "we", "zu")
-TEMPLATES = {  # needle, question (completion style: the answer is the next tokens)
-    "en": (" The secret number of {name} is {value}. ",
-           "\nQuestion: What is the secret number of {name}?\nAnswer: The secret number of {name} is"),
-    "zh": ("{name}的秘密数字是{value}。", "\n问题：{name}的秘密数字是多少？\n答案：{name}的秘密数字是"),
-}
-
-
-@dataclass
-class NeedleConfig:
-    lengths: tuple = (256, 512, 1024, 2048)  # prompt tokens: BOS + haystack + needle + question
-    depths: tuple = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the needle sits in the haystack
-    samples: int = 4  # prompts per (length, depth) cell
-    languages: tuple = ("en",)  # en (WikiText-2 test), zh (the zh bucket)
-    seed: int = 0
-    max_new_tokens: int = 8
-    batch_size: int = 2
-
-    def __post_init__(self):
-        self.lengths, self.depths, self.languages = tuple(self.lengths), tuple(self.depths), tuple(self.languages)
-        if not self.lengths or not all(isinstance(n, int) and n >= 64 for n in self.lengths):
-            raise SmeltError(f"needle lengths={list(self.lengths)} must be integers >= 64")
-        if not self.depths or not all(isinstance(d, (int, float)) and 0 <= d <= 1 for d in self.depths):
-            raise SmeltError(f"needle depths={list(self.depths)} must be numbers in [0, 1]")
-        for name in ("samples", "max_new_tokens", "batch_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise SmeltError(f"needle {name}={getattr(self, name)!r} must be an integer >= 1")
-        unknown = [lang for lang in self.languages if lang not in TEMPLATES]
-        if unknown or not self.languages:
-            raise SmeltError(f"needle languages={list(self.languages)}: each one of {', '.join(TEMPLATES)}")
-
-
-def _name(rng: torch.Generator) -> str:
-    def word(n: int) -> str:
-        picks = torch.randint(len(SYLLABLES), (n,), generator=rng).tolist()
-        return "".join(SYLLABLES[i] for i in picks).capitalize()
-    return f"{word(2)} {word(2)}"
-
-
-def make_prompts(tokenizer, cfg: NeedleConfig, lang: str, length: int) -> list[dict]:
-    """The cell prompts of one length, every depth x sample: token ids (exactly `length`) and the value."""
-    haystack = corpus_tokens(tokenizer, BUCKETS[lang])
-    rng = torch.Generator().manual_seed(cfg.seed * 1_000_003 + length * 7 + list(TEMPLATES).index(lang))
-    needle_t, question_t = TEMPLATES[lang]
-    out = []
-    for depth in cfg.depths:
-        for _ in range(cfg.samples):
-            name, value = _name(rng), int(torch.randint(1000, 10000, (1,), generator=rng))
-            needle = tokenizer(needle_t.format(name=name, value=value), add_special_tokens=False)["input_ids"]
-            question = tokenizer(question_t.format(name=name), add_special_tokens=False)["input_ids"]
-            room = length - 1 - len(needle) - len(question)
-            if room < 1:
-                raise SmeltError(f"needle length {length}: the needle and question alone take "
-                                 f"{length - 1 - room} tokens; use longer lengths")
-            if room > len(haystack):
-                raise SmeltError(f"needle length {length}: bucket {lang} has only {len(haystack)} tokens")
-            start = int(torch.randint(0, len(haystack) - room + 1, (1,), generator=rng))
-            hay = haystack[start:start + room].tolist()
-            at = round(depth * room)
-            ids = [bos_id(tokenizer), *hay[:at], *needle, *hay[at:], *question]
-            out.append({"ids": ids, "value": value, "name": name, "depth": depth, "length": length})
-    return out
 
 
 def first_number(text: str) -> str | None:
@@ -118,7 +56,8 @@ def run_needle(model, tokenizer, cfg: NeedleConfig | None = None, progress: bool
     device = next(model.parameters()).device
     result = {"settings": asdict(cfg), "languages": {}}
     for lang in cfg.languages:
-        prompts = [p for n in cfg.lengths for p in make_prompts(tokenizer, cfg, lang, n)]
+        haystack = corpus_tokens(tokenizer, BUCKETS[lang])  # evaluation text: this is the evaluation
+        prompts = [p for n in cfg.lengths for p in make_prompts(tokenizer, cfg, lang, n, haystack)]
         bar = tqdm(total=len(prompts), desc=f"needle {lang}", leave=False, disable=not progress)
         for n in cfg.lengths:
             batch = [p for p in prompts if p["length"] == n]

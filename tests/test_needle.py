@@ -12,13 +12,18 @@ from conftest import ROOT, tiny_config
 import eval.needle as needle
 from core.data import BUCKETS, corpus_tokens
 from core.errors import SmeltError
-from eval.needle import NeedleConfig, first_number, make_prompts, run_needle
+from core.needle import NeedleConfig, make_prompts
+from eval.needle import first_number, run_needle
 from models.llama import build_model
+
+
+def HAY(tok):
+    return corpus_tokens(tok, BUCKETS["en"])
 
 
 def test_prompts_have_the_length_the_needle_at_its_depth_and_come_from_eval_text(byte_tokenizer):
     cfg = NeedleConfig(lengths=(320,), depths=(0.0, 0.5, 1.0), samples=2)  # byte tokens: ~140 are the needle
-    prompts = make_prompts(byte_tokenizer, cfg, "en", 320)
+    prompts = make_prompts(byte_tokenizer, cfg, "en", 320, HAY(byte_tokenizer))
     assert len(prompts) == 6 and all(len(p["ids"]) == 320 for p in prompts)
     hay = byte_tokenizer.decode(corpus_tokens(byte_tokenizer, BUCKETS["en"]).tolist())
     for p in prompts:
@@ -32,9 +37,12 @@ def test_prompts_have_the_length_the_needle_at_its_depth_and_come_from_eval_text
         assert stack in hay  # one contiguous stretch of WikiText-2 test, cut where the needle went in
         share = len(before) / len(stack)
         assert abs(share - p["depth"]) < 0.02
-    assert prompts == make_prompts(byte_tokenizer, cfg, "en", 320)  # seeded
+        s, e = p["needle_span"]
+        assert byte_tokenizer.decode(p["ids"][s:e]) == needle_text
+    assert prompts == make_prompts(byte_tokenizer, cfg, "en", 320, HAY(byte_tokenizer))  # seeded
     assert {p["value"] for p in prompts} != {p["value"] for p in make_prompts(
-        byte_tokenizer, NeedleConfig(lengths=(320,), depths=(0.0, 0.5, 1.0), samples=2, seed=1), "en", 320)}
+        byte_tokenizer, NeedleConfig(lengths=(320,), depths=(0.0, 0.5, 1.0), samples=2, seed=1), "en", 320,
+        HAY(byte_tokenizer))}
 
 
 def test_scoring_counts_the_first_number_of_the_continuation(byte_tokenizer, monkeypatch):
