@@ -89,7 +89,7 @@ def test_bad_settings_are_one_line(kw, message):
 
 def test_cli_refuses_a_bad_grid_before_loading_anything(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "eval.needle", "--lengths", "64,abc", "--out", str(tmp_path / "x.json")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error: --lengths '64,abc': expected comma-separated int values"]
     assert not (tmp_path / "x.json").exists()
