@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import ROOT, tiny_config
 
-import eval.needle as needle
 from core.data import BUCKETS, corpus_tokens
 from core.errors import SmeltError
 from core.needle import NeedleConfig, make_prompts
+from eval import needle
 from eval.needle import first_number, run_needle
 from models.llama import build_model
 
