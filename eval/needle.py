@@ -101,14 +101,16 @@ def heatmap(results: dict[str, dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = [(label, lang) for label, r in results.items() for lang in r["languages"]]
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.4 * len(panels) + 0.8, 3.4), squeeze=False)
-    for ax, (label, lang) in zip(axes[0], panels):
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels) + 1.2, 3.4), squeeze=False,
+                             constrained_layout=True)
+    for i, (ax, (label, lang)) in enumerate(zip(axes[0], panels)):
         lengths, depths, acc = grid(results[label], lang)
         im = ax.imshow(acc, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths])
-        ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
+        ax.set_yticks(range(len(lengths)), [str(n) for n in lengths] if i == 0 else [])
         ax.set_xlabel("needle depth")
-        ax.set_ylabel("prompt tokens")
+        if i == 0:
+            ax.set_ylabel("prompt tokens")
         total = results[label]["languages"][lang]["accuracy"]
         ax.set_title(f"{label} ({lang}): {total:.0%}", fontsize=9)
         for i, row in enumerate(acc):
