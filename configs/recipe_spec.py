@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from configs.memory import read_registry
-from configs.schema import build
+from configs.schema import build, read_toml
 from core.calibrate import CalibConfig
 from core.data import EvalConfig
 from core.errors import SmeltError
@@ -154,12 +154,7 @@ def set_value(values: dict, assignment: str) -> None:
 def load(path: str | Path, sets: list[str] = (), env: dict | None = None) -> Recipe:
     """Read, override and check a recipe: every problem is one SmeltError naming the key."""
     path, env = Path(path), os.environ if env is None else env
-    if not path.is_file():
-        raise SmeltError(f"recipe {path} does not exist")
-    try:
-        values = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as e:
-        raise SmeltError(f"recipe {path}: {e}") from None
+    values = read_toml(path, "recipe")
     for var, key in (("SMELT_NNODES", "nodes"), ("SMELT_NPROC", "nproc")):
         if env.get(var):
             set_value(values, f"parallelism.{key}={env[var]}")

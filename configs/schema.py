@@ -58,13 +58,18 @@ def build(cls, values: dict, where: str = ""):
         raise SmeltError(f"config {where or cls.__name__}: {e}") from None
 
 
-def load_toml(cls, path: str | Path, overrides: dict | None = None):
+def read_toml(path: str | Path, what: str = "config file") -> dict:
+    """A TOML file that must exist and parse; either failure is one line naming the file."""
     path = Path(path)
     if not path.is_file():
-        raise SmeltError(f"config file {path} does not exist")
+        raise SmeltError(f"{what} {path} does not exist")
     try:
-        values = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
-        raise SmeltError(f"config file {path}: {e}") from None
+        raise SmeltError(f"{what} {path}: {e}") from None
+
+
+def load_toml(cls, path: str | Path, overrides: dict | None = None):
+    values = read_toml(path)
     values.update(overrides or {})
     return build(cls, values)

@@ -38,7 +38,7 @@ import tomllib
 from pathlib import Path
 
 from core.errors import ArgumentParser, SmeltError, run_cli
-from core.files import atomic_write_text
+from core.files import atomic_write_text, read_json
 
 SECTION_FILES = ("section.toml", "section.json")
 NOT_SECTIONS = ("bench",)  # results/bench/: benchmark outputs (speed, memory, GPU smoke), not README tables
@@ -118,10 +118,7 @@ def load_section(folder: Path) -> dict:
         report_path = folder / file
         if not report_path.is_file():
             raise SmeltError(f"{where}: {report_path} does not exist")
-        try:
-            report = json.loads(report_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise SmeltError(f"{report_path} is not valid JSON ({one_line_msg(e)})") from None
+        report = read_json(report_path, "an eval.evaluate report")
         if not isinstance(report, dict) or not isinstance(report.get("buckets"), dict):
             raise SmeltError(f"{report_path} has no 'buckets' (not an eval.evaluate report?)")
         rows.append({"label": label.strip(), "file": file, "report": report,

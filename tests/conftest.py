@@ -63,3 +63,32 @@ def tiny_model_dir(tmp_path, byte_tokenizer):
     out.mkdir()
     save_hf(model, out, tokenizer=byte_tokenizer)
     return out
+
+
+def make_distill_dirs(root: Path) -> Path:
+    """root/teacher: a tiny random teacher (std 0.1 weights: peaked, so damage shows clearly in KL), and
+    root/student: the teacher with half of every MLP gate and attention output pruned, masks kept. What the
+    trainer and Slurm tests distill."""
+    from core.masks import save_masks
+    from models.hf_io import save_hf
+
+    tok = make_byte_tokenizer()
+    teacher = build_model(tiny_config(max_seq_len=512), seed=1)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            if p.dim() == 2:
+                p.mul_(5.0)
+    (root / "teacher").mkdir(parents=True)
+    save_hf(teacher, root / "teacher", tokenizer=tok)
+    student = build_model(tiny_config(max_seq_len=512), seed=1)
+    student.load_state_dict(teacher.state_dict())
+    masks = {}
+    with torch.no_grad():
+        for name, mod in student.named_modules():
+            if name.endswith(("feed_forward.w1", "attention.wo")):
+                masks[name] = mod.weight.abs() > mod.weight.abs().median()
+                mod.weight.mul_(masks[name])
+    (root / "student").mkdir()
+    save_hf(student, root / "student", tokenizer=tok)
+    save_masks(student, masks, root / "student")
+    return root

