@@ -53,11 +53,14 @@ class NMPattern:
             raise SmeltError(f"{name}: N:M={self} needs in_features divisible by M={self.m}, "
                              f"but in_features={in_features}")
 
-    def holds(self, mask_or_weight: torch.Tensor) -> bool:
+    def holds(self, mask_or_weight: torch.Tensor, dense_rows: torch.Tensor | None = None) -> bool:
         """True when every group of m consecutive inputs has at most n non-zeros (a keep-mask or a
-        weight). A last dim that m does not divide cannot follow the pattern: False."""
+        weight [out, in]), except in `dense_rows` (bool [out]: rows declared dense, core.masks). A last
+        dim that m does not divide cannot follow the pattern: False."""
         if mask_or_weight.shape[-1] % self.m:
             return False
+        if dense_rows is not None:
+            mask_or_weight = mask_or_weight[~dense_rows.to(mask_or_weight.device)]
         groups = (mask_or_weight != 0).reshape(-1, self.m)
         return bool((groups.sum(dim=-1) <= self.n).all())
 

@@ -6,6 +6,10 @@
 Methods: magnitude (no calibration), wanda, sparsegpt, obs (exact, slow; small models only). The
 artifact is an HF directory plus masks.safetensors (keep-masks for recovery training) and manifest.json
 with per-module sparsity and relative reconstruction error tr(ΔW H ΔWᵀ) / tr(W H Wᵀ).
+
+`--protect heads.json` (prune.heads) leaves the protected heads' rows of wq/wk/wv dense and declares them
+in masks.safetensors (core.protected, core.masks): every pruner here treats rows independently, so a
+dense row is exactly what it would have been with nothing pruned in it.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from core.errors import ArgumentParser, SmeltError, run_cli
 from core.evaluation import evaluate_dir
 from core.files import atomic_dir
 from core.masks import save_masks
+from core.protected import dense_rows as protected_rows, read_protected
 from core.obs import timed_inverses
 from core.patterns import NMPattern
 from models.hf_io import load_hf, load_tokenizer, save_hf
@@ -93,20 +98,24 @@ def check_settings(model: nn.Module, method: str, sparsity: float, pattern: NMPa
 @torch.no_grad()
 def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, sparsity: float = 0.5,
                 pattern: NMPattern | None = None, skip: tuple[str, ...] = DEFAULT_SKIP, blocksize: int = 128,
-                percdamp: float = 0.01, cfg: CalibConfig | None = None, progress: bool = True
-                ) -> tuple[dict[str, torch.Tensor], dict]:
+                percdamp: float = 0.01, cfg: CalibConfig | None = None, progress: bool = True,
+                dense_rows: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """Prune the model's block linears in place; returns ({module name: bool keep-mask}, report).
 
     An N:M `pattern` sets the sparsity (1 - n/m); without one it is unstructured at `sparsity`. windows
     [n_windows, seq_len] feed the calibrated methods (magnitude ignores them and runs no forward pass).
     report: per_module {name: {sparsity, rel_recon_error (calibrated methods)}}, overall sparsity of
     the pruned linears, and timings_s (forward passes, statistics, Hessian inverses, pruning updates).
+    dense_rows {name: bool [out]}: rows left as they are (all kept), e.g. protected heads.
     """
     t_start = time.perf_counter()
     cfg = cfg or CalibConfig()
     if pattern is not None:
         sparsity = pattern.sparsity
     targets = check_settings(model, method, sparsity, pattern, skip, blocksize, percdamp)
+    dense_rows = dense_rows or {}
+    if set(dense_rows) - set(targets):
+        raise SmeltError(f"dense rows declared for {sorted(set(dense_rows) - set(targets))[0]}, which is not pruned")
     modules = dict(model.named_modules())
     masks: dict[str, torch.Tensor] = {}
     per_module: dict[str, dict] = {}
@@ -120,8 +129,13 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
                                         percdamp)
         except SmeltError as e:
             raise SmeltError(f"{name}: {e}") from None
+        entry = {}
+        if name in dense_rows:  # rows are pruned independently: a dense row is the untouched row
+            rows = dense_rows[name].to(keep.device)
+            W_hat[rows], keep[rows] = weight.detach()[rows].to(W_hat.dtype), True
+            entry["dense_rows"] = int(rows.sum())
         t1 = time.perf_counter()
-        entry = {"sparsity": 1.0 - keep.sum().item() / keep.numel()}
+        entry["sparsity"] = 1.0 - keep.sum().item() / keep.numel()
         if stats is not None:
             entry["rel_recon_error"] = relative_error(weight.detach(), W_hat, stats.H)
         weight.copy_(W_hat)  # in place: tied or shared parameters stay the same object
@@ -173,6 +187,8 @@ def _parse_args(argv):
     ap.add_argument("--percdamp", type=float, default=0.01, help="Hessian dampening, fraction of mean(diag H)")
     ap.add_argument("--skip", default=",".join(DEFAULT_SKIP),
                     help="comma-separated module names, dotted prefixes or suffixes to leave dense")
+    ap.add_argument("--protect", metavar="HEADS_JSON",
+                    help="prune.heads JSON: leave its protected heads' wq/wk/wv rows dense (declared in the masks)")
     ap.add_argument("--no-sequential", action="store_true",
                     help="calibrate every block on the dense model's activations (one forward per block)")
     ap.add_argument("--overwrite", action="store_true")
@@ -222,10 +238,15 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_tokenizer(teacher_dir)
     model = load_hf(teacher_dir, device=str(default_device()))
     check_settings(model, args.method, sparsity, pattern, skip, args.blocksize, args.percdamp)
+    dense = {}
+    if args.protect:
+        c = model.cfg
+        protected = read_protected(args.protect, list(model.layers), c.n_heads, "--protect")
+        dense = protected_rows(protected, c.n_heads, c.n_kv_heads, c.head_dim)
     calibrated = args.method in CALIBRATED
     windows = cfg.windows(tokenizer) if calibrated else None
     masks, report = prune_model(model, windows, args.method, sparsity, pattern, skip, args.blocksize,
-                                args.percdamp, cfg)
+                                args.percdamp, cfg, dense_rows=dense)
     del windows
     print(_summary(args.method, report), file=sys.stderr)
     metrics = {k: report[k] for k in ("sparsity", "pruned_params", "total_params", "per_module", "timings_s")}
@@ -234,11 +255,12 @@ def main(argv: list[str] | None = None) -> None:
         "calibration": cfg.record() if calibrated else None, "skip": list(skip),
         "blocksize": args.blocksize if args.method == "sparsegpt" else None,
         "percdamp": args.percdamp if args.method in ("sparsegpt", "obs") else None,
-        "teacher": args.teacher, "eval": None,
+        "teacher": args.teacher, "eval": None, "protect": args.protect,
+        "dense_rows": {k: int(v.sum()) for k, v in sorted(dense.items())},
     }
     with atomic_dir(out, overwrite=args.overwrite) as tmp:  # an error below leaves nothing behind
         save_hf(model, tmp, tokenizer=tokenizer)
-        save_masks(model, masks, tmp)
+        save_masks(model, masks, tmp, dense)
         del masks  # one byte per weight: freed before the evaluation's full-vocabulary temporaries
         if args.eval:
             del model

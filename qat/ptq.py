@@ -21,7 +21,7 @@ from core.device import release_memory
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.evaluation import evaluate_dir
 from core.files import atomic_dir
-from core.masks import load_masks, save_masks
+from core.masks import load_dense_rows, load_masks, save_masks
 from models.hf_io import load_hf, load_tokenizer, save_hf
 from models.llama import DEFAULT_SKIP
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         save_hf(model, tmp, tokenizer=tokenizer)
         save_qparams(model, qparams, spec, tmp)
         if masks:
-            save_masks(model, masks, tmp)
+            save_masks(model, masks, tmp, load_dense_rows(src))
         if args.eval:
             del model
             release_memory()

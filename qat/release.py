@@ -23,7 +23,7 @@ from core.artifact import read_manifest
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_dir, read_safetensors, sha256_file
 from core.hf_names import to_hf_name
-from core.masks import MASKS_FILE
+from core.masks import DENSE_ROWS, MASKS_FILE
 from core.patterns import NMPattern
 from models.hf_io import read_hf_config, read_hf_tensors
 from qat.qparams import QPARAMS_FILE, read_qparams, spec_to_dict
@@ -75,6 +75,25 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
 def unpack_mask(bits: torch.Tensor, in_features: int) -> torch.Tensor:
     m = (bits[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1
     return m.reshape(bits.shape[0], -1)[:, :in_features].bool()
+
+
+def row_ranges(rows: torch.Tensor) -> list[list[int]]:
+    """bool [out] -> [[start, end), ...] of the True runs (how sparsity.json lists dense rows)."""
+    idx = rows.nonzero().flatten().tolist()
+    runs: list[list[int]] = []
+    for i in idx:
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return runs
+
+
+def rows_from_ranges(ranges: list[list[int]], out_features: int) -> torch.Tensor:
+    rows = torch.zeros(out_features, dtype=torch.bool)
+    for start, end in ranges:
+        rows[start:end] = True
+    return rows
 
 
 def stage_chain(manifest: dict) -> list[dict]:
@@ -184,6 +203,9 @@ def build_release(artifact_dir: str | Path, out_dir: str | Path, overwrite: bool
         raise SmeltError(f"{art}/config.json already has a quantization_config (already a release?)")
     state = read_hf_tensors(art)
     masks = read_safetensors(art / MASKS_FILE) if (art / MASKS_FILE).is_file() else {}  # HF names
+    suffix = f".{DENSE_ROWS}"
+    dense_rows = {k.removesuffix(suffix): v.bool() for k, v in masks.items() if k.endswith(suffix)}
+    masks = {k: v for k, v in masks.items() if not k.endswith(suffix)}
 
     # Masks first: a broken mask is a clearer diagnosis than the off-grid error it may also cause.
     pattern, sparse = declared_pattern(chain), {}
@@ -191,8 +213,9 @@ def build_release(artifact_dir: str | Path, out_dir: str | Path, overwrite: bool
         w = state.get(f"{name}.weight")
         if w is None or tuple(w.shape) != tuple(mask.shape):
             raise SmeltError(f"{MASKS_FILE}: {name} has no weight of shape {tuple(mask.shape)} in the model")
-        is24 = SPARSE_24.holds(mask)
-        if pattern and not pattern.holds(mask):
+        rows = dense_rows.get(name)
+        is24 = SPARSE_24.holds(mask, rows)
+        if pattern and not pattern.holds(mask, rows):
             raise SmeltError(f"{MASKS_FILE}: {name} breaks the {pattern} pattern its prune stage declared")
         bad = int((w[~mask.bool()] != 0).sum())
         if bad:
@@ -232,7 +255,8 @@ def build_release(artifact_dir: str | Path, out_dir: str | Path, overwrite: bool
             (tmp / SPARSITY_JSON).write_text(json.dumps({
                 "format": "smelt-sparsity/1", "pattern": str(SPARSE_24), "file": SPARSITY_FILE,
                 "layout": SPARSITY_LAYOUT,
-                "modules": {k: {"shape": list(m.shape), "density": round(m.float().mean().item(), 6)}
+                "modules": {k: {"shape": list(m.shape), "density": round(m.float().mean().item(), 6),
+                                **({"dense_rows": row_ranges(dense_rows[k])} if k in dense_rows else {})}
                             for k, m in sorted(sparse.items())}}, indent=2) + "\n")
         for f in PASSTHROUGH:
             if (art / f).is_file():

@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 
 from core.errors import ArgumentParser, run_cli
 from core.files import sha256_file
-from qat.release import COMPRESSION_FORMAT, RELEASE_MANIFEST, SPARSE_24, SPARSITY_JSON, unpack_mask
+from qat.release import (COMPRESSION_FORMAT, RELEASE_MANIFEST, SPARSE_24, SPARSITY_JSON, rows_from_ranges,
+                         unpack_mask)
 
 
 class Report:
@@ -169,13 +170,14 @@ def _check_sparsity(rel: Path, scheme, mods: dict, bad_mods: set[str], r: Report
             r.fail(f"{mod}: weight shape {tuple(weight.shape)} != mask shape {tuple(mask.shape)}")
             n_bad += 1
             continue
-        over = int(((weight != 0).reshape(-1, 4).sum(-1) > 2).sum())
+        dense = rows_from_ranges(info.get("dense_rows", []), weight.shape[0])  # declared dense: no 2:4
+        over = int(((weight[~dense] != 0).reshape(-1, 4).sum(-1) > 2).sum())
         outside = int((weight[~mask] != 0).sum())
         if over:
             r.fail(f"{mod}: {over} groups of 4 have more than 2 non-zero weights (declared 2:4)")
         if outside:
             r.fail(f"{mod}: {outside} weights are non-zero where the 2:4 mask removes them")
-        mask_ok = SPARSE_24.holds(mask)
+        mask_ok = SPARSE_24.holds(mask, dense) and bool(mask[dense].all())
         if not mask_ok:
             r.fail(f"{mod}: the mask in {meta['file']} keeps more than 2 of 4 somewhere")
         n_bad += bool(over or outside or not mask_ok)

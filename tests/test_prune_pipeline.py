@@ -15,10 +15,11 @@ from torch import nn
 
 from core.calibrate import CalibConfig, run_blocks
 from core.errors import SmeltError, run_cli
-from core.masks import load_masks
+from core.masks import load_dense_rows, load_masks
 from core.patterns import NMPattern
+from core.protected import dense_rows
 from models.hf_io import load_hf
-from models.llama import build_model, linear_names
+from models.llama import DEFAULT_SKIP, build_model, linear_names
 from prune.algorithms import magnitude_prune, reconstruction_error
 from prune.run import main, prune_model, prune_targets
 
@@ -116,6 +117,51 @@ def test_sparsegpt_2of4_masks_zeros_and_skipped_modules(tiny_model_dir, calib):
     brute = reconstruction_error(X, before["layers.0.attention.wq.weight"], mods["layers.0.attention.wq"].weight,
                                  relative=True)
     assert report["per_module"]["layers.0.attention.wq"]["rel_recon_error"] == pytest.approx(brute, rel=1e-4)
+
+
+def test_protected_rows_stay_dense_and_the_other_rows_are_pruned_as_without_protection(tiny_model_dir, calib):
+    cfg, windows = calib
+    protected = [("0", 1)]  # head 1 of layer 0: q rows 16..32; GQA 4/2 -> KV group 0: k/v rows 0..16
+    c = tiny_config(max_seq_len=512)
+    dense = dense_rows(protected, c.n_heads, c.n_kv_heads, c.head_dim)
+    plain, prot = load_hf(tiny_model_dir), load_hf(tiny_model_dir)
+    before = prot.layers["0"].attention.wq.weight.clone()
+    masks_p, _ = prune_model(plain, windows, "sparsegpt", pattern=NMPattern(2, 4), cfg=cfg, progress=False)
+    masks, report = prune_model(prot, windows, "sparsegpt", pattern=NMPattern(2, 4), cfg=cfg, progress=False,
+                                dense_rows=dense)
+    wq, wq_p = prot.layers["0"].attention.wq.weight, plain.layers["0"].attention.wq.weight
+    rows = dense["layers.0.attention.wq"]
+    assert rows.nonzero().flatten().tolist() == list(range(16, 32))
+    assert torch.equal(wq[rows], before[rows]) and masks["layers.0.attention.wq"][rows].all()
+    assert torch.equal(wq[~rows], wq_p[~rows])  # rows are independent: the rest is pruned exactly as before
+    name = "layers.0.attention.wk"
+    assert not NMPattern(2, 4).holds(masks[name]) and NMPattern(2, 4).holds(masks[name], dense[name])
+    assert report["per_module"][name]["dense_rows"] == 16 and "dense_rows" not in report["per_module"][
+        "layers.0.attention.wo"]
+    with pytest.raises(SmeltError, match="not pruned"):
+        prune_model(load_hf(tiny_model_dir), windows, "magnitude", pattern=NMPattern(2, 4), skip=(*DEFAULT_SKIP, "wq"),
+                    dense_rows=dense, progress=False)
+
+
+def test_cli_protect_declares_dense_rows_and_refuses_a_bad_heads_file(tiny_model_dir, tmp_path, capsys):
+    heads = tmp_path / "heads.json"
+    heads.write_text(json.dumps({"protected": [{"layer": "1", "head": 3, "why": ["sink"]}]}))
+    out = tmp_path / "pruned"
+    run_cli(lambda: main(["--teacher", str(tiny_model_dir), "--method", "magnitude", "--pattern", "2:4",
+                          "--protect", str(heads), "--out", str(out)]))
+    dense = load_dense_rows(out)
+    assert {k: v.nonzero().flatten().tolist() for k, v in dense.items()} == {
+        "layers.1.attention.wq": list(range(48, 64)), "layers.1.attention.wk": list(range(16, 32)),
+        "layers.1.attention.wv": list(range(16, 32))}
+    assert json.loads((out / "manifest.json").read_text())["settings"]["dense_rows"] == {k: 16 for k in dense}
+    heads.write_text(json.dumps({"protected": [{"layer": "1", "head": 4, "why": ["sink"]}]}))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        run_cli(lambda: main(["--teacher", str(tiny_model_dir), "--method", "magnitude", "--pattern", "2:4",
+                              "--protect", str(heads), "--out", str(tmp_path / "bad")]))
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and err.count("\n") == 0 and "--protect" in err and "head 4" in err, err
+    assert not (tmp_path / "bad").exists()
 
 
 @pytest.mark.parametrize("method", ["magnitude", "wanda", "obs"])

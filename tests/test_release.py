@@ -15,6 +15,7 @@ from core.artifact import parent_record, write_manifest
 from core.errors import SmeltError, run_cli
 from core.masks import MASKS_FILE, save_masks
 from core.patterns import NMPattern
+from core.protected import dense_rows
 from models.hf_io import save_hf
 from models.llama import build_model, linear_names
 from qat import release as release_mod
@@ -27,6 +28,8 @@ from qat.verify import verify_release
 SPEC = QuantSpec(group_size=32)
 TOKENS = torch.tensor([[1, 72, 101, 108, 108, 111, 44, 32, 119, 2]])
 UP = "model.layers.0.mlp.up_proj"
+Q = "model.layers.1.self_attn.q_proj"
+PROTECTED = [("1", 2)]  # a protected head of layer 1: its q rows and its KV group's k/v rows stay dense
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +40,12 @@ def artifact(tmp_path_factory) -> tuple[Path, torch.Tensor]:
     model = build_model(cfg, seed=1)
     mods = dict(model.named_modules())
     masks = {}
+    dense = dense_rows(PROTECTED, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
     with torch.no_grad():
         for n in linear_names(model):
             masks[n] = NMPattern(2, 4).keep_top(mods[n].weight.abs())
+            if n in dense:
+                masks[n][dense[n]] = True
             mods[n].weight.mul_(masks[n])
     swap_to_fake_quant(model, SPEC)
     for fq in fake_quant_modules(model).values():  # the weights are already masked, as the trainer keeps them
@@ -59,7 +65,7 @@ def artifact(tmp_path_factory) -> tuple[Path, torch.Tensor]:
     out = root / "qat"
     out.mkdir()
     save_hf(export, out, tokenizer=make_byte_tokenizer())
-    save_masks(export, masks, out)
+    save_masks(export, masks, out, dense)
     save_qparams(export, {n: (s, zp) for n, (_, s, zp) in frozen.items()}, SPEC, out)
     save_file({"mtp.0.proj.weight": torch.randn(4, 4)}, str(out / "mtp.safetensors"))
     write_manifest(out, "qat", {"quant": spec_to_dict(SPEC)}, {"ppl": 12.5}, parent=parent_record(root / "prune"))
@@ -108,9 +114,16 @@ def test_release_loads_in_transformers_with_our_logits(artifact, release):
     assert man["stages"][1]["settings"] == {"pattern": "2:4"}
     assert set(man["files"]) == {p.name for p in release.iterdir()} - {"smelt_release.json"}
     masks = load_file(str(artifact[0] / MASKS_FILE))
+    dense = {k.removesuffix(".weight_dense_rows") for k in masks if k.endswith(".weight_dense_rows")}
+    assert dense == {Q, Q.replace("q_proj", "k_proj"), Q.replace("q_proj", "v_proj")}
     bits = load_file(str(release / "sparsity.safetensors"))
-    assert set(json.loads((release / "sparsity.json").read_text())["modules"]) == set(masks)
+    modules = json.loads((release / "sparsity.json").read_text())["modules"]
+    assert set(modules) == set(masks) - {k for k in masks if k.endswith("dense_rows")}
     assert torch.equal(unpack_mask(bits[f"{UP}.keep_bits"], 64), masks[UP])
+    # head 2 of 4 (head_dim 16) -> q rows 32..48; GQA 4/2 -> KV group 1 -> k/v rows 16..32
+    assert modules[Q]["dense_rows"] == [[32, 48]] and modules[Q.replace("q_proj", "k_proj")]["dense_rows"] == [[16, 32]]
+    assert "dense_rows" not in modules[UP]
+    assert unpack_mask(bits[f"{Q}.keep_bits"], 64)[32:48].all()
 
 
 def test_pack_mask_roundtrip_and_nibble_layout():
@@ -127,6 +140,16 @@ def test_verify_passes(release, capsys):
     assert verify_release(release).failures == []
     assert main([str(release), "--no-load"]) == 0
     assert "PASSED" in capsys.readouterr().out
+
+
+def test_verify_holds_other_rows_of_a_module_with_dense_rows_to_24(release, tmp_path):
+    """Declared dense rows are exempt from the 2:4 check; an undeclared dense row is not."""
+    rel = _copy(release, tmp_path)
+    meta = json.loads((rel / "sparsity.json").read_text())
+    meta["modules"][Q]["dense_rows"] = [[32, 40]]  # half the protected rows left undeclared
+    (rel / "sparsity.json").write_text(json.dumps(meta))
+    fails = verify_release(rel, load=False).failures
+    assert any(f.startswith(f"{Q}: ") and "groups of 4 have more than 2 non-zero" in f for f in fails), fails
 
 
 def test_verify_catches_flipped_byte(release, tmp_path):

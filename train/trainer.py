@@ -33,7 +33,7 @@ from core.device import peak_rss_gib
 from core.dtensor import full, local
 from core.errors import SmeltError
 from core.files import atomic_dir
-from core.masks import load_masks, save_masks
+from core.masks import load_dense_rows, load_masks, save_masks
 from core.runlock import RunLock
 from models.hf_io import config_from_hf, load_into, load_tokenizer, read_hf_config, save_hf
 from models.llama import Transformer
@@ -275,7 +275,7 @@ class SmeltTrainer(Trainer):
         with atomic_dir(out_dir, overwrite=True) as tmp:
             save_hf(model, tmp, tokenizer=load_tokenizer(tok_src) if tok_src else None)
             if masks:
-                save_masks(model, masks, tmp)
+                save_masks(model, masks, tmp, load_dense_rows(cfg.student))
             if frozen:
                 save_qparams(model, {n: (s, z) for n, (_, s, z) in frozen.items()}, spec, tmp)
             write_manifest(tmp, stage=stage, settings={
