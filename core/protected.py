@@ -5,6 +5,9 @@ The contract between stages is the `protected` list of a prune.heads JSON: [{"la
 A protected query head pins its KV group (GQA): width pruning keeps both, and the sparse pruners leave
 the head's rows of wq and its group's rows of wk and wv dense (`dense_rows`), so the head still attends
 where it did. wo mixes every head into each output row, so its 2:4 groups stay sparse.
+
+A structural stage (prune.depth, prune.width) writes `protected.json` into its artifact: the same list,
+renumbered for the smaller model, so a later stage reads it like a prune.heads JSON.
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ import torch
 
 from core.errors import SmeltError
 from core.files import read_json
+
+PROTECTED_FILE = "protected.json"
 
 
 def read_protected(path: str | Path, layers: list[str], n_heads: int, field: str = "--heads"

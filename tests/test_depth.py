@@ -14,7 +14,7 @@ from core.data import calibration_windows
 from core.errors import SmeltError
 from models.hf_io import load_hf
 from models.llama import build_model
-from prune.depth import choose, depth_scores
+from prune.depth import choose, depth_scores, drop_kl
 
 
 def test_an_identity_block_has_zero_influence_and_is_the_one_removed(byte_tokenizer):
@@ -28,6 +28,18 @@ def test_an_identity_block_has_zero_influence_and_is_the_one_removed(byte_tokeni
     assert choose(s, 1, "angular", set()) == [1] and choose(s, 1, "influence", set()) == [1]
     assert choose(s, 1, "influence", {1}) != [1]  # protected: kept
     assert choose(s, 1, "influence", {1}, penalty=0.0) == [1]  # a soft rule that costs nothing
+
+
+def test_drop_kl_is_zero_for_an_identity_block_and_ranks_the_kl_method(byte_tokenizer):
+    model = build_model(tiny_config("debug-untied", max_seq_len=128), seed=0).eval()
+    with torch.no_grad():
+        model.layers["2"].attention.wo.weight.zero_()
+        model.layers["2"].feed_forward.w2.weight.zero_()
+    before = model(torch.tensor([[1, 5, 9]]))
+    kl = drop_kl(model, calibration_windows(byte_tokenizer, 3, 32))
+    assert kl[2] == pytest.approx(0, abs=1e-7) and min(kl[:2]) > 1e-4
+    assert torch.equal(model(torch.tensor([[1, 5, 9]])), before)  # the hooks are gone
+    assert choose({"influence": [0.0, 0.1, 0.2], "kl": kl}, 1, "kl", set()) == [2]
 
 
 def test_protection_that_covers_every_choice_and_too_many_layers_are_one_line(byte_tokenizer):
@@ -53,6 +65,8 @@ def test_cli_writes_a_smaller_model_that_loads_and_says_what_it_removed(tmp_path
     assert len(small.layers) == 1 and json.loads((out / "config.json").read_text())["num_hidden_layers"] == 1
     m = json.loads((out / "manifest.json").read_text())
     assert m["metrics"]["removed_layers"] == [1] and m["metrics"]["protected_layers"] == [0]
+    assert len(m["metrics"]["scores"]["kl"]) == 2 and min(m["metrics"]["scores"]["kl"]) > 0
+    assert json.loads((out / "protected.json").read_text())["protected"] == [{"layer": "0", "head": 1}]
     bad_cmd = [a if a != "1" else "2" for a in cmd[:-1]] + [str(tmp_path / "x")]  # --remove 2 of 2 layers
     bad = subprocess.run(bad_cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert bad.returncode == 2 and "--remove 2: the model has 2 layers" in bad.stderr
