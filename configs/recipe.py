@@ -48,10 +48,10 @@ from core.files import atomic_write_text
 
 
 # ---- commands ------------------------------------------------------------------------------------------
-def eval_command(recipe: Recipe, model: str | None, out: str) -> list[str]:
+def eval_command(recipe: Recipe, model: str | None, out: str, needle: bool = False) -> list[str]:
     # --wandb: the evaluation's metrics and table go into its stage's wandb run (core.tracking).
     cmd = [PY, "-m", "eval.evaluate", "--teacher", recipe.teacher, *(["--model", model] if model else []),
-           "--out", out, "--wandb"]
+           "--out", out, "--wandb", *(["--needle"] if needle else [])]
     return cmd + (build(EvalConfig, recipe.eval, "eval").cli_args() if recipe.eval is not None else [])
 
 
@@ -67,8 +67,13 @@ def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
                                    if isinstance(s, TrainStage)]
         zh = any("zh-train" in s.split("+") for s in sources)  # fetched once, before any rank reads it
         return [[PY, "-m", "models.teacher", "--teacher", t]] + ([[PY, "-m", "core.zh_corpus"]] if zh else [])
+    if st.kind == "heads":
+        return [[PY, "-m", "prune.heads", "--teacher", t, *_opt("--top-k", st.top_k),
+                 *_opt("--calib-windows", st.calib_windows), *_opt("--needle-lengths", st.needle_lengths),
+                 "--out", st.dst, "--png", st.dst.removesuffix(".json") + ".png"]]
     if st.kind == "prune":
         return [[PY, "-m", "prune.run", "--teacher", t, "--method", st.method, *_opt("--pattern", st.pattern),
+                 *_opt("--protect", st.protect),
                  *_opt("--sparsity", st.sparsity), *_opt("--calib-windows", st.calib_windows),
                  *_opt("--calib-seq-len", st.calib_seq_len), *_opt("--calib-corpus", calib), "--out", st.dst]]
     if st.kind == "mtp":
@@ -95,7 +100,7 @@ def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
         return [[PY, "-m", "qat.verify", st.src]]
     if st.kind == "report":
         return [[PY, "-m", "eval.report", "--run", recipe.run_dir]]
-    return [eval_command(recipe, None if st.src == t else st.src, st.dst)]  # evaluate
+    return [eval_command(recipe, None if st.src == t else st.src, st.dst, st.needle)]  # evaluate
 
 
 def evaluation(recipe: Recipe, st: Stage, tdir: str | None) -> list[str] | None:
@@ -103,8 +108,8 @@ def evaluation(recipe: Recipe, st: Stage, tdir: str | None) -> list[str] | None:
     if not getattr(st, "evaluate", False):
         return None
     if st.kind == "teacher":
-        return eval_command(recipe, tdir or "<teacher dir>", recipe.evals("teacher"))
-    return eval_command(recipe, st.dst, recipe.evals(st.dst))
+        return eval_command(recipe, tdir or "<teacher dir>", recipe.evals("teacher"), st.needle)
+    return eval_command(recipe, st.dst, recipe.evals(st.dst), st.needle)
 
 
 # ---- the plan ------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from core.errors import SmeltError
 from core.patterns import NMPattern
 from core.text_source import TextSourceConfig
 
-KINDS = ("teacher", "prune", "recover", "mtp", "ptq", "qat", "release", "verify", "report", "evaluate")
+KINDS = ("teacher", "heads", "prune", "recover", "mtp", "ptq", "qat", "release", "verify", "report", "evaluate")
 TRAINING = ("recover", "mtp", "qat")
 MODELS = ("prune", "recover", "mtp", "ptq", "qat")  # write an HF artifact, evaluated against the teacher
 NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a stage name is a Slurm job name and a file name
@@ -44,6 +44,7 @@ class Parallelism:
 class Stage:
     kind: str
     name: str = ""                  # default: the kind
+    needle: bool = False            # the stage's evaluation also runs eval.needle (stages that evaluate)
     src: str = field(default="", init=False)  # resolved input (check)
     dst: str = field(default="", init=False)  # resolved output
 
@@ -54,9 +55,18 @@ class TeacherStage(Stage):          # models.teacher (fetch, verify, import); zh
 
 
 @dataclass
+class HeadsStage(Stage):            # prune.heads on the teacher: run_dir/<out>.json (+ .png), the protected set
+    out: str = ""
+    top_k: int | None = None        # protected heads per score; None: prune.heads' default
+    calib_windows: int | None = None
+    needle_lengths: str | None = None  # the retrieval probe's prompt lengths, e.g. "512,1024"
+
+
+@dataclass
 class PruneStage(Stage):            # prune.run on the teacher
     out: str = ""                   # directory under run_dir; default: the stage name
     method: str = "sparsegpt"
+    protect: str | None = None      # a heads stage's name or a prune.heads JSON: those heads' rows stay dense
     pattern: str | None = None      # N:M, or:
     sparsity: float | None = None
     calib_windows: int | None = None  # None: the CLI's default (core.calibrate.CalibConfig)
@@ -103,8 +113,8 @@ class InputStage(Stage):            # verify (qat.verify of a release), evaluate
     input: str = ""
 
 
-TYPES = {"teacher": TeacherStage, "prune": PruneStage, "recover": TrainStage, "mtp": TrainStage,
-         "qat": TrainStage, "ptq": PtqStage, "release": ReleaseStage, "verify": InputStage,
+TYPES = {"teacher": TeacherStage, "heads": HeadsStage, "prune": PruneStage, "recover": TrainStage,
+         "mtp": TrainStage, "qat": TrainStage, "ptq": PtqStage, "release": ReleaseStage, "verify": InputStage,
          "evaluate": InputStage, "report": Stage}  # report: eval.report over run_dir/evals
 
 
@@ -259,6 +269,20 @@ def check(recipe: Recipe, registry: dict) -> None:
             st.dst = recipe.teacher
         elif st.kind in MODELS or st.kind == "release":
             st.dst = str(run / (st.out or st.name))
+        if st.needle and not getattr(st, "evaluate", st.kind == "evaluate"):
+            raise SmeltError(f"{where}.needle: a {st.kind} stage{' with evaluate = false' * hasattr(st, 'evaluate')} "
+                             f"is not evaluated")
+        if isinstance(st, HeadsStage):
+            st.dst = str(run / f"{st.out or st.name}.json")
+            if st.top_k is not None and st.top_k < 1:
+                raise SmeltError(f"{where}.top_k={st.top_k} must be >= 1")
+            outputs[st.name] = ("heads", st.dst)
+        if isinstance(st, PruneStage) and st.protect is not None:
+            if outputs.get(st.protect, ("",))[0] == "heads":
+                st.protect = outputs[st.protect][1]
+            elif not Path(st.protect).is_file():
+                raise SmeltError(f"{where}.protect {st.protect!r} is neither an earlier heads stage nor a "
+                                 f"prune.heads JSON file")
         if isinstance(st, PruneStage) and (st.pattern is None) == (st.sparsity is None):
             raise SmeltError(f"{where}: set exactly one of pattern (N:M) and sparsity")
         if isinstance(st, PruneStage) and st.pattern is not None:

@@ -13,6 +13,7 @@ from configs.memory import ROWS, Shape, read_registry, read_shape
 from configs.recipe import main
 from configs.recipe_spec import load, set_value
 from core.errors import run_cli
+from core.masks import load_dense_rows
 from models.hf_io import config_to_hf
 from models.llama import FLAVORS, build_model
 
@@ -72,8 +73,9 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
     # scripts/recipe.sh's commands with its defaults (128 x 512 calibration, 60 and 100 steps, 2 ranks)
     t, launch = "--teacher smollm2-135m", "python -m train.launch --nproc 2 -- --module train.config_registry"
     expected = {
-        "prune": [(f"python -m prune.run {t} --method sparsegpt --pattern 2:4 --calib-windows 128 "
-                  f"--calib-seq-len 512 --calib-corpus {MIX} --out {run}/pruned-2of4")],
+        "heads": [f"python -m prune.heads {t} --top-k 4 --out {run}/heads.json --png {run}/heads.png"],
+        "prune": [(f"python -m prune.run {t} --method sparsegpt --pattern 2:4 --protect {run}/heads.json "
+                  f"--calib-windows 128 --calib-seq-len 512 --calib-corpus {MIX} --out {run}/pruned-2of4")],
         "recover": [(f"{launch} --config smollm2_recover --student {run}/pruned-2of4 {t} --dump_folder "
                     f"{run}/recovered-2of4-run --export_dir {run}/recovered-2of4 --training.steps 60")],
         "quantize": [(f"python -m qat.ptq {t} --artifact {run}/recovered-2of4 --method gptq --act-order "
@@ -86,15 +88,18 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
         "report": [f"python -m eval.report --run {run}"],
     }
     stages = {s["name"]: s for s in plan["stages"]}
-    assert list(stages) == ["teacher", "prune", "recover", "quantize", "qat", "release", "verify", "report"]
+    assert list(stages) == ["teacher", "heads", "prune", "recover", "quantize", "qat", "release", "verify",
+                            "report"]
     assert stages["teacher"]["commands"] == [f"python -m models.teacher {t}", "python -m core.zh_corpus"]
-    assert stages["teacher"]["evaluation"].endswith(f"--out {run}/evals/teacher.json --wandb")
+    assert stages["teacher"]["evaluation"].endswith(f"--out {run}/evals/teacher.json --wandb --needle")
+    assert stages["heads"]["evaluation"] is None
     for name, cmds in expected.items():
         assert stages[name]["commands"] == cmds, name
     for name, art in (("prune", "pruned-2of4"), ("recover", "recovered-2of4"), ("quantize", "gptq-2of4"),
                       ("qat", "qat-2of4")):
         assert stages[name]["evaluation"] == (f"python -m eval.evaluate {t} --model {run}/{art} "
-                                              f"--out {run}/evals/{art}.json --wandb")
+                                              f"--out {run}/evals/{art}.json --wandb"
+                                              + " --needle" * (name == "qat"))
     assert stages["recover"]["tokens"] == 60 * 4 * 256 and stages["prune"]["tokens"] == 128 * 512
     _check_memory(plan, ["recover", "qat"])
     assert not run.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "smollm2-config"]
@@ -147,22 +152,24 @@ def test_parameter_count_matches_the_model(tmp_path, flavor):
 def test_list_stages(capsys):
     code, out, _ = _cli(capsys, RECIPES / "smollm2-cpu.toml", "--list-stages")
     assert code == 0
-    assert out.splitlines() == ["teacher", "prune", "recover", "quantize", "qat", "release", "verify",
+    assert out.splitlines() == ["teacher", "heads", "prune", "recover", "quantize", "qat", "release", "verify",
                                 "report"]
 
 
 BAD = [
-    (["--set", "stages.recover.stepz=2"], "stages[2].stepz"),
+    (["--set", "stages.recover.stepz=2"], "stages[3].stepz"),
     (["--set", "stages.recover.global_batch=6"], "not divisible by local_batch 2 x data-parallel degree 2"),
     (["--set", "stages.recover.input=/no/such/artifact"], "neither an earlier stage nor an existing"),
     (["--set", "stages.recover.config=smollm2_recoverr"], "not a config of train/config_registry.py"),
-    (["--set", "stages.qat.steps=0"], "stages[4].steps=0 must be > 0"),
-    (["--set", "stages.recover.kind=distil"], "stages[2].kind 'distil' is not one of"),
+    (["--set", "stages.qat.steps=0"], "stages[5].steps=0 must be > 0"),
+    (["--set", "stages.recover.kind=distil"], "stages[3].kind 'distil' is not one of"),
     (["--set", "stages.nope.steps=1"], "no stage named 'nope'"),
     (["--set", "data.calibration=wikitext2-test"], "never be calibrated on"),
     (["--set", "data.train=/no/such/data.jsonl"], "data.train: --dataloader.source: path /no/such/data.jsonl does not"),
     (["--set", "data.calibration=/no/such/calib"], "data.calibration: calibration.source: path /no/such/calib"),
     (["--stage", "recoverr"], "is not a stage of"),
+    (["--set", "stages.prune.protect=recover"], "stages[2].protect 'recover' is neither an earlier heads stage"),
+    (["--set", "stages.report.needle=true"], "stages[8].needle: a report stage is not evaluated"),
     (["--json", "x.json"], "--json needs --dry-run"),
 ]
 
@@ -239,8 +246,10 @@ def test_memory_rows_follow_the_budget():
 
 def test_debug_prune_stage_runs_then_skips(capfd, tmp_path, tiny_model_dir):
     run = tmp_path / "run"
-    argv = [RECIPES / "debug.toml", "--stage", "prune", "--set", f"teacher={tiny_model_dir}",
-            "--set", f"run_dir={run}", "--set", "stages.prune.evaluate=false"]
+    base = [RECIPES / "debug.toml", "--set", f"teacher={tiny_model_dir}", "--set", f"run_dir={run}"]
+    argv = [*base, "--stage", "prune", "--set", "stages.prune.evaluate=false"]
+    assert _run(*base, "--stage", "heads") == 0, capfd.readouterr().err[-2000:]
+    heads = json.loads((run / "heads.json").read_text())
     code = _run(*argv)
     out = capfd.readouterr()
     assert code == 0, out.err[-2000:]
@@ -248,8 +257,12 @@ def test_debug_prune_stage_runs_then_skips(capfd, tmp_path, tiny_model_dir):
     assert {"model.safetensors", "masks.safetensors", "manifest.json"} <= {p.name for p in pruned.iterdir()}
     manifest = json.loads((pruned / "manifest.json").read_text())
     assert manifest["stage"] == "prune" and manifest["settings"]["pattern"] == "2:4"
+    # the heads stage's protected set is what the prune stage kept dense
+    assert manifest["settings"]["protect"] == str(run / "heads.json")
+    dense = load_dense_rows(pruned)
+    assert sum(int(v.sum()) for k, v in dense.items() if k.endswith("wq")) == 16 * len(heads["protected"]) > 0
     assert _run(*argv) == 0 and f"skip: {pruned} exists" in capfd.readouterr().out
-    assert sorted(p.name for p in run.iterdir()) == ["pruned-2of4"]
+    assert sorted(p.name for p in run.iterdir()) == ["heads.json", "heads.png", "pruned-2of4"]
 
 
 def test_missing_input_and_mtp_are_one_line_at_run_time(capsys, tmp_path, tiny_model_dir):
