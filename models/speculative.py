@@ -1,0 +1,126 @@
+"""Self-speculative decoding: the model's own MTP modules draft, the model verifies, the output is exact.
+
+Each round (batch 1), with N tokens in the main model's KV cache and the next token x_N already chosen:
+1. draft: module k (k = 1..gamma) reads its level-(k-1) hidden state at position N-1 and the embedding of
+   the token k places ahead (x_N, then the drafts d_1..d_{k-1}) and proposes d_k ~ q_k;
+2. verify: one main-model forward over [x_N, d_1..d_gamma] gives p_0..p_gamma;
+3. accept d_j while u < p_{j-1}(d_j) / q_j(d_j) (u uniform); at the first rejection draw the next token
+   from norm(max(0, p_{j-1} - q_j)); if all are accepted draw it from p_gamma. Temperature 0 is the
+   greedy case: accept while d_j equals argmax p_{j-1}, and the next token is that argmax.
+This is speculative sampling (Leviathan et al. 2023; Chen et al. 2023): every token has exactly the main
+model's distribution, and greedy output equals plain greedy decoding token for token.
+
+Rollback: the main cache is truncated to the accepted tokens; level k's cache and hidden states at
+position i were computed from token i + k, so they survive while that token was accepted (i + k <= N + a).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from core.errors import SmeltError
+from models.generate import next_token
+from models.llama import Transformer
+from models.mtp import MTPHeads
+
+
+@dataclass
+class SpecStats:
+    rounds: int = 0                 # verification forwards (the prefill is not counted)
+    drafted: int = 0
+    accepted: list[int] = field(default_factory=list)  # drafts accepted per round
+    seconds: float = 0.0
+
+    def summary(self, gamma: int) -> dict:
+        n = max(self.rounds, 1)
+        first = sum(a >= 1 for a in self.accepted) / n  # acceptance rate of the first drafted token
+        return {"rounds": self.rounds, "drafted": self.drafted, "accepted": sum(self.accepted),
+                "alpha_first": first, "acceptance": sum(self.accepted) / max(self.drafted, 1),
+                "mean_accepted": sum(self.accepted) / n,
+                "tokens_per_forward": (sum(self.accepted) + self.rounds) / n, "gamma": gamma}
+
+
+def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return (logits.float() / temperature).softmax(-1)
+
+
+@torch.no_grad()
+def speculative_generate(model: Transformer, heads: MTPHeads, prompt: torch.Tensor, max_new_tokens: int,
+                         gamma: int = 1, temperature: float = 0.0,
+                         generator: torch.Generator | None = None) -> tuple[torch.Tensor, SpecStats]:
+    """Continue prompt [1, P] by exactly max_new_tokens tokens -> ([1, P + max_new_tokens], stats)."""
+    if gamma < 1:
+        raise SmeltError(f"gamma={gamma} must be >= 1 (drafted tokens per round)")
+    if gamma > heads.depth:
+        raise SmeltError(f"gamma={gamma} exceeds the MTP depth {heads.depth} (module k drafts the token k ahead)")
+    if prompt.ndim != 2 or prompt.shape[0] != 1 or prompt.shape[1] == 0:
+        raise SmeltError(f"prompt must be [1, length>=1] token ids, got shape {tuple(prompt.shape)}")
+    if max_new_tokens < 1:
+        raise SmeltError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if not temperature >= 0:
+        raise SmeltError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    P = prompt.shape[1]
+    max_len = P + max_new_tokens + gamma + 1
+    if max_len > model.cfg.max_seq_len:
+        raise SmeltError(f"prompt length {P} + {max_new_tokens} new tokens + gamma {gamma} + 1 exceeds the model's "
+                         f"max_seq_len={model.cfg.max_seq_len}")
+    stats, t0 = SpecStats(), time.perf_counter()
+    device = model.tok_embeddings.weight.device
+    cache, mcache = model.new_cache(1, max_len), heads.new_cache(1, max_len)
+    dim = model.cfg.dim
+    hs = [torch.zeros(1, max_len, dim, device=device, dtype=model.tok_embeddings.weight.dtype)
+          for _ in range(gamma + 1)]  # hidden states per level: main model (0), then module k
+    count = [0] * (gamma + 1)       # filled positions per level (level k: its cache's length too)
+    seq = prompt[0].tolist()
+
+    h = model.hidden_states(prompt.to(device), cache)
+    hs[0][:, :P], count[0] = h, P
+    seq.append(int(next_token(model.output(h[:, -1]), temperature, generator=generator)))
+    while len(seq) - P < max_new_tokens:
+        N = count[0]                # seq[N] is chosen, not yet in the main cache
+        drafts, q = [], []
+        for k in range(1, gamma + 1):
+            c, module = count[k], heads.mtp[k - 1]
+            toks = torch.tensor([(seq + drafts)[c + k:N + k]], device=device)
+            out = module(hs[k - 1][:, c:N], model.tok_embeddings(toks), model.rope_cos[c:N], model.rope_sin[c:N],
+                         mcache[k - 1])
+            hs[k][:, c:N], count[k] = out, N
+            logits = model.output(module.norm(out[:, -1]))[0]
+            d = int(next_token(logits[None], temperature, generator=generator))
+            drafts.append(d)
+            q.append(None if temperature == 0 else _probs(logits, temperature))
+        h = model.hidden_states(torch.tensor([[seq[N], *drafts]], device=device), cache)
+        logits = model.output(h)[0]  # [gamma + 1, V]: p_j predicts the token after position N + j
+        a, nxt = 0, None
+        for j, d in enumerate(drafts):
+            if temperature == 0:
+                best = int(logits[j].argmax())
+                if best == d:
+                    a += 1
+                    continue
+                nxt = best
+                break
+            p = _probs(logits[j], temperature)
+            u = torch.rand((), generator=generator, device=p.device)
+            if u * q[j][d] < p[d]:  # accept with probability min(1, p/q)
+                a += 1
+                continue
+            resid = (p - q[j]).clamp_min(0)
+            nxt = int(torch.multinomial(resid / resid.sum(), 1, generator=generator))
+            break
+        if nxt is None:             # every draft accepted: the bonus token from p_gamma
+            nxt = int(next_token(logits[gamma][None], temperature, generator=generator))
+        seq += drafts[:a] + [nxt]
+        stats.rounds, stats.drafted = stats.rounds + 1, stats.drafted + gamma
+        stats.accepted.append(a)
+        keep = N + 1 + a            # main positions now verified
+        for c in cache.values():
+            c.truncate(keep)
+        hs[0][:, N:keep], count[0] = h[:, :a + 1], keep
+        for k in range(1, gamma + 1):  # level k at position i used token i + k: valid while i + k <= N + a
+            count[k] = min(count[k], N + a - k + 1)
+            mcache[k - 1].truncate(count[k])
+    stats.seconds = time.perf_counter() - t0
+    return torch.tensor([seq[:P + max_new_tokens]]), stats

@@ -1,0 +1,118 @@
+"""Self-speculative decoding with MTP modules: greedy output is exactly plain greedy decoding, sampled
+output has exactly the main model's distribution, acceptance is counted right, bad settings are refused."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from core.errors import SmeltError
+from models.generate import sample
+from models.llama import LlamaConfig, build_model
+from models.mtp import MTPHeads
+from models.speculative import speculative_generate
+
+CFG = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden=64, max_seq_len=128,
+                  tie_embeddings=False)
+PROMPT = torch.tensor([[3, 17, 42, 5, 9, 33]])
+
+
+def _peaked(cfg: LlamaConfig, seed: int, block_scale: float):
+    """A model whose next token depends mostly on the current token (a bigram table), and on the context
+    through blocks scaled by block_scale: peaked logits, so greedy has no near-ties."""
+    model = build_model(cfg, seed=seed).eval()
+    with torch.no_grad():
+        model.output.weight.mul_(50)  # untied: the bigram table output(norm(emb(x))) is a random map
+        for layer in model.layers.values():
+            layer.attention.wo.weight.mul_(block_scale * 10)
+            layer.feed_forward.w2.weight.mul_(block_scale * 10)
+    return model
+
+
+def _oracle(cfg: LlamaConfig, depth: int) -> MTPHeads:
+    """MTP modules that read only the token embedding (proj = [0 | I], blocks silenced): each drafts the
+    bigram prediction of its token, which a block_scale=0 main model follows exactly."""
+    heads = MTPHeads(cfg, depth)
+    heads.init_weights(seed=0)
+    with torch.no_grad():
+        for m in heads.mtp:
+            m.proj.weight.zero_()
+            m.proj.weight[:, cfg.dim:] = torch.eye(cfg.dim)
+            m.block.attention.wo.weight.zero_()
+            m.block.feed_forward.w2.weight.zero_()
+    return heads
+
+
+@pytest.mark.parametrize("block_scale,gamma", [(0.0, 1), (0.0, 2), (0.1, 1), (0.1, 2), (1.0, 2)])
+def test_greedy_is_token_for_token_plain_greedy(block_scale, gamma):
+    model = _peaked(CFG, 1, block_scale)
+    heads = _oracle(CFG, 2)
+    want = sample(model, PROMPT, 40, temperature=0)
+    got, stats = speculative_generate(model, heads, PROMPT, 40, gamma=gamma, temperature=0)
+    assert torch.equal(got, want)
+    s = stats.summary(gamma)
+    if block_scale == 0:  # the oracle drafts exactly what the bigram model says: every draft accepted
+        assert s["alpha_first"] == 1 and s["tokens_per_forward"] == gamma + 1
+    elif block_scale < 1:  # the context moves the main model away from the bigram drafts now and then
+        assert 0 in stats.accepted and gamma in stats.accepted  # full, partial and no acceptance all ran
+        assert 0 < s["mean_accepted"] < gamma
+    random_heads = MTPHeads(CFG, 2)
+    random_heads.init_weights(seed=5)
+    got, _ = speculative_generate(model, random_heads, PROMPT, 40, gamma=gamma, temperature=0)
+    assert torch.equal(got, want)
+
+
+def _exact_marginals(model, prompt, n_new: int) -> list[torch.Tensor]:
+    """Exact distribution of each of the first n_new sampled tokens (temperature 1), by enumeration."""
+    V = model.cfg.vocab_size
+    seqs = torch.tensor(list(itertools.product(range(V), repeat=n_new)))
+    ids = torch.cat([prompt.expand(len(seqs), -1), seqs], 1)
+    logp = model(ids).float().log_softmax(-1)[:, prompt.shape[1] - 1:-1]  # [S, n_new, V]
+    joint = logp.gather(-1, seqs[..., None]).squeeze(-1).sum(-1).exp()
+    return [torch.zeros(V).index_add_(0, seqs[:, j], joint) for j in range(n_new)]
+
+
+def test_sampling_has_the_main_models_distribution():
+    """Tokens 2 and 3 are the ones MTP drafts propose: their marginals over 3000 runs must match the exact
+    marginals (total variation <= 0.05; the expected TV of 3000 samples over 8 tokens is ~0.02), while the
+    drafter's own proposals are far from them (so a sampler that accepted every draft would fail)."""
+    cfg = LlamaConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=8, ffn_hidden=64, max_seq_len=32)
+    model = build_model(cfg, seed=3).eval()
+    with torch.no_grad():
+        model.tok_embeddings.weight.mul_(8)
+    heads = MTPHeads(cfg, 2)
+    heads.init_weights(seed=4, std=0.3)
+    prompt = torch.tensor([[1, 4, 6]])
+    exact = _exact_marginals(model, prompt, 3)
+    g = torch.Generator().manual_seed(0)
+    n, counts, accepted = 3000, torch.zeros(3, 8), 0
+    for _ in range(n):
+        out, stats = speculative_generate(model, heads, prompt, 3, gamma=2, temperature=1.0, generator=g)
+        counts[torch.arange(3), out[0, 3:]] += 1
+        accepted += sum(stats.accepted)
+    for j in (1, 2):
+        tv = 0.5 * (counts[j] / n - exact[j]).abs().sum()
+        assert tv < 0.05, (j, tv)
+    assert 0 < accepted < 2 * n  # some drafts accepted, some rejected: both paths ran
+    # power: the drafter's distribution for token 2 (module 1 after the main model's token 1)
+    h0 = model.hidden_states(prompt)
+    q2 = torch.zeros(8)
+    for t1 in range(8):
+        ids = torch.cat([prompt, torch.tensor([[t1]])], 1)
+        h = model.hidden_states(ids)
+        logits = heads(model, h, torch.cat([ids, torch.zeros(1, 1, dtype=torch.long)], 1))[0][0, -1]
+        q2 += exact[0][t1] * logits.softmax(-1)
+    assert 0.5 * (q2 - exact[1]).abs().sum() > 0.1 and h0.shape[1] == 3
+
+
+def test_bad_settings_are_one_line_errors():
+    model, heads = build_model(CFG, seed=0).eval(), MTPHeads(CFG, 1)
+    with pytest.raises(SmeltError, match="gamma=0 must be >= 1"):
+        speculative_generate(model, heads, PROMPT, 4, gamma=0)
+    with pytest.raises(SmeltError, match="gamma=2 exceeds the MTP depth 1"):
+        speculative_generate(model, heads, PROMPT, 4, gamma=2)
+    with pytest.raises(SmeltError, match="exceeds the model's max_seq_len"):
+        speculative_generate(model, heads, PROMPT, 200, gamma=1)
+    with pytest.raises(SmeltError, match="depth=0 must be >= 1"):
+        MTPHeads(CFG, 0)
