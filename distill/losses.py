@@ -56,7 +56,7 @@ class _ChunkedLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, s_logits, t_logits, labels, kind, temperature, skew_alpha, ce_weight, chunk,
-                tail_quantile, tail_weight):
+                tail_quantile, tail_weight, kd_weight=1.0):
         n = s_logits.shape[0]
         threshold = None
         if tail_weight > 0:
@@ -74,9 +74,9 @@ class _ChunkedLoss(torch.autograd.Function):
                 valid = labels[s:e] != -100 if labels is not None else None
                 if valid is not None:
                     d = d * valid
-                loss = d.sum()
+                loss = kd_weight * d.sum()
                 if threshold is not None:
-                    loss = loss + tail_weight * (d * (d.detach() >= threshold)).sum()
+                    loss = loss + kd_weight * tail_weight * (d * (d.detach() >= threshold)).sum()
                 if ce_weight > 0 and labels is not None:
                     ce = F.cross_entropy(x.float(), labels[s:e], ignore_index=-100, reduction="sum")
                     loss = loss + ce_weight * ce
@@ -93,7 +93,7 @@ class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_total, _g_kl, _g_ce):
         (grad,) = ctx.saved_tensors
-        return (grad * g_total.to(grad.dtype) if grad is not None else None,) + (None,) * 9
+        return (grad * g_total.to(grad.dtype) if grad is not None else None,) + (None,) * 10
 
 
 @torch.no_grad()
@@ -115,6 +115,7 @@ class DistillLossConfig:
     temperature: float = 1.0
     skew_alpha: float = 0.1    # only for skew_kl
     ce_weight: float = 0.0     # weight of next-token cross-entropy added to the divergence
+    kd_weight: float = 1.0     # weight of the divergence (MTP training: CE + kd_weight * KL, ce_weight 1)
     chunk_tokens: int = 1024   # tokens per chunk: bounds the fp32 [chunk x vocab] working set
     tail_weight: float = 0.0   # extra weight of tokens at or above the divergence's tail_quantile
     tail_quantile: float = 0.9
@@ -128,6 +129,8 @@ class DistillLossConfig:
             raise SmeltError(f"loss.skew_alpha={self.skew_alpha} must be in (0, 1)")
         if self.ce_weight < 0:
             raise SmeltError(f"loss.ce_weight={self.ce_weight} must be >= 0")
+        if self.kd_weight < 0 or self.kd_weight == self.ce_weight == 0:
+            raise SmeltError(f"loss.kd_weight={self.kd_weight} must be >= 0, and > 0 unless ce_weight > 0")
         if self.chunk_tokens < 1:
             raise SmeltError(f"loss.chunk_tokens={self.chunk_tokens} must be >= 1")
         if self.tail_weight < 0:
@@ -138,7 +141,7 @@ class DistillLossConfig:
 
 class DistillLoss(nn.Module):
     """Mean over (non-ignored) tokens of the configured divergence (tail tokens weighted
-    1 + tail_weight), plus ce_weight * CE.
+    1 + tail_weight) times kd_weight, plus ce_weight * CE.
 
     forward(student_logits [..., V], teacher_logits [..., V], labels [...] or None) ->
     (loss, {"kd": mean divergence, "ce": mean CE (if ce_weight > 0)}).
@@ -159,6 +162,6 @@ class DistillLoss(nn.Module):
         n_tok = (lab != -100).sum().clamp_min(1) if lab is not None else torch.tensor(s.shape[0])
         c = self.cfg
         total, kd, ce = _ChunkedLoss.apply(s, t, lab, c.kind, c.temperature, c.skew_alpha, c.ce_weight,
-                                           c.chunk_tokens, c.tail_quantile, c.tail_weight)
+                                           c.chunk_tokens, c.tail_quantile, c.tail_weight, c.kd_weight)
         n_tok = n_tok.to(total.device, total.dtype)
         return total / n_tok, {"kd": (kd / n_tok).detach(), "ce": (ce / n_tok).detach()}

@@ -13,13 +13,38 @@ belong to the main model (tied in SmolLM2); the MTP file holds only the modules'
 """
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 from torch import nn
 
-from core.errors import SmeltError
+from core.dtensor import first_error, like, local, local_slices
+from core.errors import SmeltError, one_line
+from core.files import atomic_save_safetensors, check_finite, open_safetensors, safetensors_metadata, sha256_file
 from models.llama import KVCache, LlamaConfig, RMSNorm, Transformer, TransformerBlock
 
 MTP_FILE = "mtp.safetensors"
+MTP_FORMAT = "smelt-mtp/1"
+
+
+@dataclass(kw_only=True)
+class MTPConfig:
+    """MTP modules in the trainer (train.titan.SmeltModel.Config.mtp)."""
+
+    depth: int = 0            # modules; 0: none (every stage but `mtp`)
+    joint: bool = False       # also train the main model (its loss + weight * the MTP loss); default frozen
+    weight: float = 1.0       # joint mode: weight of the MTP loss next to the main model's
+    init: str = "last_block"  # a new module's block starts as a copy of the main model's last block, or "random"
+
+    def __post_init__(self):
+        if self.depth < 0:
+            raise SmeltError(f"mtp.depth={self.depth} must be >= 0")
+        if not self.weight > 0:
+            raise SmeltError(f"mtp.weight={self.weight} must be > 0")
+        if self.init not in ("last_block", "random"):
+            raise SmeltError(f"mtp.init={self.init!r} is not 'last_block' or 'random'")
 
 
 class MTPModule(nn.Module):
@@ -52,11 +77,19 @@ class MTPHeads(nn.Module):
     def depth(self) -> int:
         return len(self.mtp)
 
-    def init_weights(self, seed: int | None = 0, std: float = 0.02) -> None:
+    def init_weights(self, seed: int | None = 0, std: float = 0.02, trunk: Transformer | None = None) -> None:
+        """Random (norms 1, matrices N(0, std)); with `trunk`, each block starts as a copy of the trunk's
+        last block (a trained block of the same shape: a far better start than noise on a small budget)."""
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.ones_like(p) if p.dim() == 1 else torch.randn(p.shape, generator=gen) * std)
+            for p in self.parameters():  # the full tensor on every rank (same seed), each keeps its shard
+                t = torch.ones(p.shape) if p.dim() == 1 else torch.randn(p.shape, generator=gen) * std
+                p.copy_(like(t.to(p.dtype), p))
+            if trunk is not None:
+                last = list(trunk.layers.values())[-1].state_dict()
+                for m in self.mtp:
+                    for k, v in m.block.state_dict().items():
+                        v.copy_(last[k])
 
     def forward(self, trunk: Transformer, h0: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
         """Teacher-forced logits of every module: h0 [B, T, d] (trunk.hidden_states(tokens)), tokens [B, T].
@@ -87,3 +120,90 @@ def check_compatible(heads: MTPHeads, trunk: Transformer) -> None:
     if diff:
         raise SmeltError(f"{MTP_FILE}: its modules were built for {diff[0]}={getattr(a, diff[0])}, the main model "
                          f"has {getattr(b, diff[0])}")
+
+
+def main_fingerprint(model_dir: str | Path) -> str:
+    """The main model an MTP file was trained against: sha256 over config.json and the weight files
+    (not masks, qparams or the MTP file itself)."""
+    from models.hf_io import safetensors_files  # hf_io imports this module's neighbours; keep it lazy
+
+    model_dir = Path(model_dir)
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for f in safetensors_files(model_dir):
+        h.update(sha256_file(f).encode())
+    return h.hexdigest()
+
+
+def save_mtp(state: dict[str, torch.Tensor], cfg: LlamaConfig, out_dir: str | Path, trained_against: str,
+             extra: dict[str, str] | None = None) -> None:
+    """Write MTP weights ({"mtp.<k>.<param>": tensor}, gathered) as mtp.safetensors with what they belong to."""
+    depth = len({k.split(".")[1] for k in state})
+    meta = {"format": MTP_FORMAT, "depth": str(depth), "main_fingerprint": trained_against,
+            **{k: str(getattr(cfg, k)) for k in ("dim", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden",
+                                                 "vocab_size")}, **(extra or {})}
+    atomic_save_safetensors({k: v.contiguous() for k, v in state.items()}, Path(out_dir) / MTP_FILE, metadata=meta)
+
+
+def mtp_metadata(art_dir: str | Path) -> dict[str, str] | None:
+    """The MTP file's metadata (None when the artifact has no MTP file); refuses another format."""
+    path = Path(art_dir) / MTP_FILE
+    if not path.is_file():
+        return None
+    meta = safetensors_metadata(path)
+    if meta.get("format") != MTP_FORMAT:
+        raise SmeltError(f"{path}: format {meta.get('format')!r} is not {MTP_FORMAT} (not a smelt MTP file?)")
+    return meta
+
+
+@torch.no_grad()
+def load_mtp_into(heads: MTPHeads, art_dir: str | Path) -> None:
+    """Fill MTPHeads (plain or FSDP2-sharded; each rank reads its slices) from an artifact's MTP file,
+    refusing a file built for another shape or holding fewer modules than `heads` (one line, every rank)."""
+    path = Path(art_dir) / MTP_FILE
+    error = None
+    try:
+        meta = mtp_metadata(art_dir)
+        if meta is None:
+            raise SmeltError(f"{art_dir} has no {MTP_FILE}")
+        trained = int(meta["depth"])
+        if heads.depth > trained:
+            raise SmeltError(f"{path}: MTP depth {heads.depth} requested, the file holds {trained} module(s)")
+        for k in ("dim", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden", "vocab_size"):
+            if meta.get(k) != str(getattr(heads.cfg, k)):
+                raise SmeltError(f"{path}: built for {k}={meta.get(k)}, the main model has {getattr(heads.cfg, k)}")
+        with open_safetensors(path) as f:
+            names = set(f.keys())
+            for name, p in heads.named_parameters():
+                if name not in names:
+                    raise SmeltError(f"{path}: no tensor {name}")
+                sl = f.get_slice(name)
+                if tuple(sl.get_shape()) != tuple(p.shape):
+                    raise SmeltError(f"{path}: {name} has shape {tuple(sl.get_shape())}, expected {tuple(p.shape)}")
+                dst = local(p)
+                if dst.numel():
+                    t = sl[local_slices(p)]
+                    check_finite(name, t, path)
+                    dst.copy_(t.to(dst.dtype))
+    except Exception as e:  # noqa: BLE001 - agreed by every rank, else the others hang
+        error = one_line(e) if isinstance(e, SmeltError) else f"{path}: {type(e).__name__}: {one_line(e)}"
+    error = first_error(error)
+    if error:
+        raise SmeltError(error)
+
+
+def load_mtp(art_dir: str | Path, trunk: Transformer, depth: int | None = None,
+             check_fingerprint: bool = True) -> MTPHeads:
+    """MTPHeads for `trunk` from an artifact (or release) directory; by default the file must have been
+    trained against exactly this directory's main model."""
+    meta = mtp_metadata(art_dir)
+    if meta is None:
+        raise SmeltError(f"{art_dir} has no {MTP_FILE}")
+    depth = int(meta["depth"]) if depth is None else depth
+    if depth < 1:
+        raise SmeltError(f"MTP depth={depth} must be >= 1")
+    if check_fingerprint and meta.get("main_fingerprint") != main_fingerprint(art_dir):
+        raise SmeltError(f"{Path(art_dir) / MTP_FILE}: trained against another main model (main_fingerprint "
+                         f"{meta.get('main_fingerprint', '')[:12]}, this directory's is {main_fingerprint(art_dir)[:12]})")
+    heads = MTPHeads(trunk.cfg, depth).to(trunk.tok_embeddings.weight.device)
+    load_mtp_into(heads, art_dir)
+    return heads.eval()

@@ -120,6 +120,60 @@ def test_distillation_recovers_and_keeps_masks(dirs, straight_run):
     assert b"teacher" not in meta and b"inner.layers.0.feed_forward.w1.weight" in meta
 
 
+def _mtp_kl(model, heads, teacher, tokens) -> float:
+    """Mean KL(teacher's distribution of t_{i+2} || MTP module 1's) over `tokens`."""
+    from core.kl import kl_rows
+
+    with torch.no_grad():
+        logits = heads(model, model.hidden_states(tokens), tokens)[0][:, :-1]
+        t = teacher(tokens)[:, 1:-1]
+        return float(kl_rows(t.log_softmax(-1), logits.log_softmax(-1)).mean())
+
+
+def test_mtp_trains_on_the_frozen_model_exports_its_file_and_drafts_exactly(dirs, straight_run):
+    from core.data import calibration_windows
+    from core.errors import SmeltError
+    from models.generate import sample
+    from models.mtp import MTPHeads, load_mtp, mtp_metadata
+    from models.speculative import speculative_generate
+
+    src, out = straight_run.out, dirs / "mtp-out"
+    cmd = LAUNCH[:-1] + ["debug_mtp", "--student", str(src), "--teacher", str(dirs / "teacher"), "--dump_folder",
+                         str(dirs / "mtp"), "--export_dir", str(out), "--training.steps", "12"]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    main, trained = load_hf(src), load_hf(out)
+    assert all(torch.equal(a, b) for a, b in zip(main.state_dict().values(), trained.state_dict().values()))
+    assert set(load_masks(out)) == set(load_masks(src))  # the frozen main model's masks travel on
+    meta = mtp_metadata(out)
+    assert meta["depth"] == "2" and json.loads((out / "manifest.json").read_text())["stage"] == "mtp"
+    heads = load_mtp(out, trained)
+    start = MTPHeads(main.cfg, 2)
+    start.init_weights(seed=0, trunk=main)  # where training started (config seed 0, init last_block)
+    teacher = load_hf(dirs / "teacher")
+    tokens = calibration_windows(make_byte_tokenizer(), 4, 32, seed=7)
+    assert _mtp_kl(trained, heads, teacher, tokens) < 0.9 * _mtp_kl(main, start, teacher, tokens)
+    prompt = tokens[:1, :8]
+    for gamma in (1, 2):
+        got, stats = speculative_generate(trained, heads, prompt, 24, gamma=gamma)
+        assert torch.equal(got, sample(trained, prompt, 24, temperature=0)) and stats.rounds < 24
+    with pytest.raises(SmeltError, match="MTP depth 3 requested, the file holds 2"):
+        load_mtp(out, trained, depth=3)
+    with pytest.raises(SmeltError, match="trained against another main model"):
+        load_mtp(_copy_with_other_weights(out, dirs / "mtp-moved"), trained)
+
+
+def _copy_with_other_weights(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    model = load_hf(dst)
+    with torch.no_grad():
+        model.norm.weight.add_(0.01)
+    save_hf(model, dst)
+    return dst
+
+
 def test_resume_after_kill9_is_bit_identical(dirs, straight_run):
     name = "killed"
     cmd = TORCHRUN + ["--student", str(dirs / "student"), "--teacher", str(dirs / "teacher"),

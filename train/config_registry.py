@@ -14,6 +14,7 @@ from torchtitan.config import CommConfig, DebugConfig, ParallelismConfig, Traini
 from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.protocols.model_spec import ModelSpec
 
+from models.mtp import MTPConfig
 from qat.fake_quant import FakeQuantConfig
 from train.titan import HFTokenizer, KDLoss, SmeltModel, StreamDataLoader, parallelize
 from train.trainer import SmeltTrainer
@@ -116,4 +117,32 @@ def smollm2_qat() -> SmeltTrainer.Config:
     cfg.dataloader.source = MIXED_CORPUS
     cfg.model_spec.model.fake_quant = FakeQuantConfig(enable=True, bits=4, symmetric=True, group_size=64,
                                                       scale_init="mse", learn_scale=True)
+    return cfg
+
+
+def _mtp(cfg: SmeltTrainer.Config, depth: int = 1) -> SmeltTrainer.Config:
+    """MTP modules on the frozen main model: CE on the shifted targets + 1.0 x KL to the teacher there."""
+    cfg.model_spec.model.mtp = MTPConfig(depth=depth)
+    cfg.loss.ce_weight, cfg.loss.kd_weight = 1.0, 1.0
+    return cfg
+
+
+def debug_mtp() -> SmeltTrainer.Config:
+    """Tiny MTP run (depth 2) on a frozen main model (tests)."""
+    return _mtp(_config(steps=6, batch=2, seq_len=32, lr=3e-3, warmup=1, interval=2), depth=2)
+
+
+def smollm2_mtp() -> SmeltTrainer.Config:
+    """One MTP module (depth 1) for SmolLM2-135M on the frozen recovered model: 4 x 256 tokens a step."""
+    cfg = _mtp(_config(steps=200, batch=2, seq_len=256, lr=1e-3, warmup=10, interval=50))
+    cfg.training.global_batch_size = 4
+    cfg.dataloader.source = MIXED_CORPUS
+    return cfg
+
+
+def smollm2_mtp_realign() -> SmeltTrainer.Config:
+    """Re-align the MTP module on the QAT'd model. Its artifact holds the dequantized codes, so the frozen
+    main model is exactly the quantized one (no fake quantization needed); its qparams travel on."""
+    cfg = smollm2_mtp()
+    cfg.training.steps = 60
     return cfg

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from core.text_source import PackedTextStream, TextSourceConfig
 from distill.losses import DistillLoss, DistillLossConfig
 from models.hf_io import config_from_hf, load_into, load_tokenizer, read_hf_config
 from models.llama import LlamaConfig, Transformer
+from models.mtp import MTP_FILE, MTPConfig, MTPHeads, load_mtp_into
 from qat.fake_quant import FakeQuantConfig, FakeQuantLinear, init_scales, swap_to_fake_quant
 from qat.qparams import load_qparams_into
 
@@ -39,6 +41,8 @@ class SmeltModel(BaseModel):
         """Random-init seed when init_from is empty (debug runs)."""
         fake_quant: FakeQuantConfig = field(default_factory=FakeQuantConfig)
         """QAT: fake-quantize the linears (qat.fake_quant.FakeQuantConfig); off unless enable=True."""
+        mtp: MTPConfig = field(default_factory=MTPConfig)
+        """MTP modules (models.mtp.MTPConfig) trained on the frozen main model (or jointly); depth 0: none."""
 
         def update_from_config(self, *, config, **kwargs) -> None:
             student = getattr(config, "student", "")
@@ -62,6 +66,9 @@ class SmeltModel(BaseModel):
         fq = config.fake_quant
         if fq.enable:  # post-build module swap, before parallelize (FSDP2 sees the final modules)
             swap_to_fake_quant(self.inner, fq.spec, skip=fq.skip, learn_scale=fq.learn_scale)
+        self.mtp = MTPHeads(self.inner.cfg, config.mtp.depth) if config.mtp.depth else None
+        if self.mtp is not None and not config.mtp.joint:
+            self.inner.requires_grad_(False)  # the main model is frozen: only the MTP modules train
 
     def verify_module_protocol(self) -> None:
         return  # the inner model is plain nn.Module by design (one definition for every stage)
@@ -80,12 +87,27 @@ class SmeltModel(BaseModel):
         init_from = self.config.init_from
         if self.config.fake_quant.enable and not (init_from and load_qparams_into(self.inner, init_from)):
             init_scales(self.inner)
+        if self.mtp is not None:  # an artifact's MTP modules (re-alignment after QAT), else a fresh start
+            if init_from and (Path(init_from) / MTP_FILE).is_file():
+                load_mtp_into(self.mtp, init_from)
+            else:
+                self.mtp.init_weights(seed=self.config.seed,
+                                      trunk=self.inner if self.config.mtp.init == "last_block" else None)
 
     def init_states(self, *, buffer_device=None) -> None:
         self.init_weights(buffer_device=buffer_device)
 
-    def forward(self, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
-        return self.inner(tokens)
+    def forward(self, tokens: torch.Tensor, **kwargs):
+        """Logits [B, T, V]; with MTP modules (main logits or None when the main model is frozen,
+        [logits of module k: B, T - k, V])."""
+        if self.mtp is None:
+            return self.inner(tokens)
+        if self.config.mtp.joint:
+            h0 = self.inner.hidden_states(tokens)
+            return self.inner.output(h0), self.mtp(self.inner, h0, tokens)
+        with torch.no_grad():  # frozen: no activations kept for a backward that never reaches it
+            h0 = self.inner.hidden_states(tokens)
+        return None, self.mtp(self.inner, h0, tokens)
 
 
 def fsdp_mesh(parallel_dims):
@@ -135,8 +157,9 @@ def parallelize(model: SmeltModel, *, parallel_dims, training, parallelism, comp
         mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
                                   reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce])
         gloo = not torch.cuda.is_available()
-        shard_model(model, model.inner.layers.values(), fsdp_mesh(parallel_dims), mp, gloo)
-        logger.info("Applied FSDP2 (%d blocks + root)", len(model.inner.layers))
+        blocks = [*model.inner.layers.values(), *(m.block for m in (model.mtp.mtp if model.mtp is not None else []))]
+        shard_model(model, blocks, fsdp_mesh(parallel_dims), mp, gloo)
+        logger.info("Applied FSDP2 (%d blocks + root)", len(blocks))
     return model
 
 

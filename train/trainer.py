@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,9 +38,10 @@ from core.masks import load_dense_rows, load_masks, save_masks
 from core.runlock import RunLock
 from models.hf_io import config_from_hf, load_into, load_tokenizer, read_hf_config, save_hf
 from models.llama import Transformer
+from models.mtp import MTP_FILE, main_fingerprint, save_mtp
 from models.teacher import resolve_teacher
 from qat.fake_quant import fake_quant_modules, freeze_weight
-from qat.qparams import save_qparams
+from qat.qparams import QPARAMS_FILE, save_qparams
 from qat.quantizers import dequantize
 from train.masks import MaskSet
 from train.titan import fsdp_mesh, shard_model
@@ -168,7 +170,10 @@ class SmeltTrainer(Trainer):
                 if self.teacher is not None:
                     with torch.no_grad():
                         teacher_logits = self.teacher(inputs)
-            loss, metrics = self.loss_fn(pred, labels, global_valid_tokens, teacher_logits=teacher_logits)
+            if isinstance(pred, tuple):  # MTP modules: (main logits or None, [module k's logits])
+                loss, metrics = self._mtp_loss(*pred, labels, global_valid_tokens, teacher_logits)
+            else:
+                loss, metrics = self.loss_fn(pred, labels, global_valid_tokens, teacher_logits=teacher_logits)
             del pred, teacher_logits
             with spmd.no_typecheck():
                 loss.backward()
@@ -178,6 +183,19 @@ class SmeltTrainer(Trainer):
         for k, v in metrics.items():
             self._step_metrics[k] = v.detach().float()
         return loss
+
+    def _mtp_loss(self, main, heads, labels, global_valid_tokens, teacher_logits):
+        """The main model's loss (joint mode) + weight * the mean over modules of each module's loss: module k
+        predicts labels[:, k:] and is distilled to the teacher's distribution there (teacher_logits[:, k:])."""
+        loss, metrics = (self.loss_fn(main, labels, global_valid_tokens, teacher_logits=teacher_logits)
+                         if main is not None else (0.0, {}))
+        weight = self.config.model_spec.model.mtp.weight if main is not None else 1.0
+        for k, logits in enumerate(heads, start=1):
+            lk, mk = self.loss_fn(logits, labels[:, k:], global_valid_tokens,
+                                  teacher_logits=None if teacher_logits is None else teacher_logits[:, k:])
+            loss = loss + weight * lk / len(heads)
+            metrics.update({f"mtp{k}_{name}": v for name, v in mk.items()})
+        return loss, metrics
 
     def _before_optimizer_step(self, optimizer, args, kwargs):
         grads = [torch.isfinite(local(p.grad)).all()
@@ -267,23 +285,35 @@ class SmeltTrainer(Trainer):
             t = full(m.to(torch.uint8))
             if rank0:
                 masks[n] = t.bool().cpu()
+        heads, mtp_state = self.model_parts[0].mtp, {}
+        for name, p in (heads.named_parameters() if heads is not None else ()):
+            t = full(p.detach())
+            if rank0:
+                mtp_state[name] = t.float().cpu()
         if not rank0:
             return
         cfg = self.config
         tok_src = cfg.student if (Path(cfg.student) / "tokenizer.json").is_file() else self.teacher_dir
-        stage = "qat" if frozen else ("distill" if self.teacher is not None else "train")
+        stage = ("mtp" if heads is not None else "qat" if frozen
+                 else "distill" if self.teacher is not None else "train")
         with atomic_dir(out_dir, overwrite=True) as tmp:
             save_hf(model, tmp, tokenizer=load_tokenizer(tok_src) if tok_src else None)
             if masks:
                 save_masks(model, masks, tmp, load_dense_rows(cfg.student))
             if frozen:
                 save_qparams(model, {n: (s, z) for n, (_, s, z) in frozen.items()}, spec, tmp)
+            if heads is not None:  # trained against exactly the main model written above
+                save_mtp(mtp_state, model.cfg, tmp, main_fingerprint(tmp), {"stage": stage})
+                if not (frozen or cfg.model_spec.model.mtp.joint) and (Path(cfg.student) / QPARAMS_FILE).is_file():
+                    shutil.copy2(Path(cfg.student) / QPARAMS_FILE, tmp / QPARAMS_FILE)
+            elif (Path(cfg.student) / MTP_FILE).is_file():  # carried through; it names the model it was trained on
+                shutil.copy2(Path(cfg.student) / MTP_FILE, tmp / MTP_FILE)
             write_manifest(tmp, stage=stage, settings={
                 "student": cfg.student, "teacher": str(self.teacher_dir or ""),
                 "loss": _plain(cfg.loss), "steps": self.step, "tokens_seen": int(self.ntokens_seen),
                 "local_batch_size": cfg.training.local_batch_size, "seq_len": cfg.training.seq_len,
                 "dp_shard": self.parallel_dims.dp_shard, "optimizer": _plain(cfg.optimizer),
-                "fake_quant": _plain(cfg.model_spec.model.fake_quant),
+                "fake_quant": _plain(cfg.model_spec.model.fake_quant), "mtp": _plain(cfg.model_spec.model.mtp),
                 "data": _plain(cfg.dataloader),
             }, parent=parent_record(cfg.student))
         logger.info("exported the student to %s", out_dir)
