@@ -116,3 +116,42 @@ def test_bad_settings_are_one_line_errors():
         speculative_generate(model, heads, PROMPT, 200, gamma=1)
     with pytest.raises(SmeltError, match="depth=0 must be >= 1"):
         MTPHeads(CFG, 0)
+
+
+def test_benchmark_cli_reports_acceptance_and_speed_and_refuses_a_foreign_mtp_file(tmp_path, capsys):
+    import json
+
+    from conftest import make_byte_tokenizer, tiny_config
+
+    from core.errors import run_cli
+    from eval.speculative import main
+    from models.hf_io import save_hf
+    from models.mtp import main_fingerprint, save_mtp
+
+    cfg = tiny_config(max_seq_len=256)
+    model = build_model(cfg, seed=1)
+    out = tmp_path / "art"
+    out.mkdir()
+    save_hf(model, out, tokenizer=make_byte_tokenizer())
+    heads = MTPHeads(cfg, 1)
+    heads.init_weights(seed=0, trunk=model)
+    save_mtp(dict(heads.named_parameters()), cfg, out, main_fingerprint(out))
+    report = tmp_path / "spec.json"
+    run_cli(lambda: main(["--model", str(out), "--prompts", "2", "--prompt-len", "16", "--new-tokens", "12",
+                          "--out", str(report)]))
+    r = json.loads(report.read_text())
+    assert set(r["buckets"]) == {"en", "zh", "code"} and r["overall"]["rounds"] > 0
+    o = r["overall"]
+    assert 0 <= o["alpha_first"] <= 1 and 1 <= o["tokens_per_forward"] <= 2 and o["plain_tok_s"] > 0
+    assert r["ceiling_speedup"] > 0 and r["mtp"]["depth"] == "1"
+    capsys.readouterr()
+    for argv, message in ((["--gamma", "2"], "--gamma 2 exceeds the MTP depth 1"),
+                          (["--gamma", "0"], "--gamma 0 must be >= 1")):
+        with pytest.raises(SystemExit):
+            run_cli(lambda: main(["--model", str(out), *argv]))
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err
+    save_hf(build_model(cfg, seed=2), out)  # the main model changed under the MTP file
+    with pytest.raises(SystemExit):
+        run_cli(lambda: main(["--model", str(out)]))
+    assert "trained against another main model" in capsys.readouterr().err

@@ -1,0 +1,160 @@
+"""Self-speculative decoding benchmark: how many tokens the model's own MTP modules buy per forward and
+per second, against plain cached greedy decoding in the same run.
+
+    python -m eval.speculative --model runs/smollm2/qat-2of4 --gamma 1 --out results/bench/mtp/spec.json
+
+Prompts: `--prompts` per evaluation bucket (en, zh, code), each BOS + `--prompt-len` tokens of the bucket's
+text at a seeded offset. Every prompt is decoded greedily `--new-tokens` tokens twice, plain
+(models.generate.sample) and speculative (models.speculative), alternating which goes first; the two
+outputs must be identical (exactness is checked, not assumed). Reported per bucket and overall:
+- alpha: acceptance rate of the first drafted token; mean accepted drafts per round; tokens per main
+  forward; the i.i.d. prediction (1 - alpha^(gamma+1)) / (1 - alpha) of tokens per forward;
+- tokens/s of both and their ratio; and the ceiling: with every draft accepted a round yields gamma + 1
+  tokens for one verification forward plus gamma module steps, so speedup <= (gamma + 1) / (r + gamma * c),
+  where c is a draft step's time and r a verification forward's, both relative to one plain decode step
+  (measured here).
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from core.data import BUCKETS, corpus_tokens
+from core.device import machine_record
+from core.errors import ArgumentParser, SmeltError, run_cli
+from core.files import atomic_write_text
+from models.generate import sample
+from models.hf_io import load_hf, load_tokenizer
+from models.mtp import load_mtp, mtp_metadata
+from models.speculative import speculative_generate
+from models.teacher import DEFAULT_TEACHER, resolve_teacher
+
+
+def bucket_prompts(tokenizer, lang: str, n: int, length: int, seed: int = 0) -> list[torch.Tensor]:
+    text = corpus_tokens(tokenizer, BUCKETS[lang])  # evaluation text: this is an evaluation
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(text) - length, (n,), generator=g).tolist()
+    bos = tokenizer.bos_token_id
+    return [torch.tensor([[bos, *text[s:s + length - 1].tolist()]]) for s in starts]
+
+
+@torch.no_grad()
+def step_costs(model, heads, prompt: torch.Tensor, gamma: int, repeats: int = 20) -> dict[str, float]:
+    """Seconds of one plain decode step, one draft step (MTP module + head) and one (gamma+1)-token
+    verification forward, after a prefill of `prompt`."""
+    cache = model.new_cache(1, prompt.shape[1] + repeats * (gamma + 2) + 2)
+    h = model.hidden_states(prompt, cache)
+    tok = torch.tensor([[int(prompt[0, -1])]])
+    mcache = heads.new_cache(1, prompt.shape[1] + 2)[0]
+    module = heads.mtp[0]
+    emb = model.tok_embeddings(tok)
+    cos, sin = model.rope_cos[:1], model.rope_sin[:1]
+    times = {"decode": [], "draft": [], "verify": []}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        model(tok, cache)
+        t1 = time.perf_counter()
+        model.output(module.norm(module(h[:, -1:], emb, cos, sin, mcache)))
+        mcache.truncate(0)
+        t2 = time.perf_counter()
+        model(tok.expand(1, gamma + 1), cache)
+        t3 = time.perf_counter()
+        times["decode"].append(t1 - t0)
+        times["draft"].append(t2 - t1)
+        times["verify"].append(t3 - t2)
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}  # medians
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = ArgumentParser(prog="python -m eval.speculative", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="artifact directory with mtp.safetensors")
+    ap.add_argument("--teacher", default=DEFAULT_TEACHER, help="tokenizer source when the model has none")
+    ap.add_argument("--gamma", type=int, default=1, help="drafted tokens per round (<= the MTP depth)")
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per bucket")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--languages", default="en,zh,code")
+    ap.add_argument("--any-main-model", action="store_true",
+                    help="allow MTP modules trained against another main model (e.g. before QAT)")
+    ap.add_argument("--out", help="JSON report")
+    args = ap.parse_args(argv)
+    langs = [s.strip() for s in args.languages.split(",") if s.strip()]
+    bad = [lang for lang in langs if lang not in BUCKETS]
+    if bad or not langs:
+        raise SmeltError(f"--languages: {bad[0] if bad else '(empty)'} is not one of {', '.join(BUCKETS)}")
+    if args.gamma < 1:
+        raise SmeltError(f"--gamma {args.gamma} must be >= 1")
+    if args.prompts < 1 or args.prompt_len < 2 or args.new_tokens < 1:
+        raise SmeltError("--prompts >= 1, --prompt-len >= 2 and --new-tokens >= 1 are required")
+    torch.set_grad_enabled(False)
+    model = load_hf(args.model).eval()
+    meta = mtp_metadata(args.model)
+    if meta is None:
+        raise SmeltError(f"--model {args.model}: no mtp.safetensors (train one with the mtp stage)")
+    if args.gamma > int(meta["depth"]):
+        raise SmeltError(f"--gamma {args.gamma} exceeds the MTP depth {meta['depth']} of {args.model}")
+    heads = load_mtp(args.model, model, check_fingerprint=not args.any_main_model)
+    tok_dir = args.model if (Path(args.model) / "tokenizer.json").is_file() else resolve_teacher(args.teacher)
+    tokenizer = load_tokenizer(tok_dir)
+    per, rounds_all = {}, []
+    plain_s = spec_s = 0.0
+    tokens = 0
+    for lang in langs:
+        prompts = bucket_prompts(tokenizer, lang, args.prompts, args.prompt_len)
+        acc, rounds, p_s, s_s = [], 0, 0.0, 0.0
+        for i, prompt in enumerate(tqdm(prompts, desc=f"speculative {lang}", unit="prompt", leave=False)):
+            order = ("plain", "spec") if i % 2 == 0 else ("spec", "plain")
+            outs = {}
+            for what in order:
+                t0 = time.perf_counter()
+                if what == "plain":
+                    outs[what] = sample(model, prompt, args.new_tokens, temperature=0)
+                    p_s += time.perf_counter() - t0
+                else:
+                    outs[what], stats = speculative_generate(model, heads, prompt, args.new_tokens, gamma=args.gamma)
+                    s_s += time.perf_counter() - t0
+            if not torch.equal(outs["plain"], outs["spec"]):
+                raise SmeltError(f"{lang} prompt {i}: speculative output differs from plain greedy (a bug)")
+            acc += stats.accepted
+            rounds += stats.rounds
+        n_tok = args.prompts * args.new_tokens
+        per[lang] = _summary(acc, rounds, args.gamma, n_tok / p_s, n_tok / s_s)
+        rounds_all += acc
+        plain_s, spec_s, tokens = plain_s + p_s, spec_s + s_s, tokens + n_tok
+    costs = step_costs(model, heads, bucket_prompts(tokenizer, langs[0], 1, args.prompt_len)[0], args.gamma)
+    c, r = costs["draft"] / costs["decode"], costs["verify"] / costs["decode"]
+    result = {"model": args.model, "gamma": args.gamma, "mtp": meta,
+              "settings": {"prompts_per_bucket": args.prompts, "prompt_len": args.prompt_len,
+                           "new_tokens": args.new_tokens, "languages": langs, "greedy": True, "batch": 1},
+              "buckets": per,
+              "overall": _summary(rounds_all, len(rounds_all), args.gamma, tokens / plain_s, tokens / spec_s),
+              "step_seconds": costs, "draft_cost": c, "verify_cost": r,
+              "ceiling_speedup": (args.gamma + 1) / (r + args.gamma * c),
+              "machine": machine_record(),
+              "command": shlex.join(["python", "-m", "eval.speculative", *(sys.argv[1:] if argv is None else argv)])}
+    o = result["overall"]
+    print(f"alpha {o['alpha_first']:.3f}, accepted/round {o['mean_accepted']:.3f}, tokens/forward "
+          f"{o['tokens_per_forward']:.3f} (iid prediction {o['predicted_tokens_per_forward']:.3f}), "
+          f"{o['plain_tok_s']:.1f} -> {o['spec_tok_s']:.1f} tok/s ({o['speedup']:.2f}x; ceiling "
+          f"{result['ceiling_speedup']:.2f}x at draft cost {c:.2f}, verify cost {r:.2f})")
+    if args.out:
+        atomic_write_text(args.out, json.dumps(result, indent=1) + "\n")
+
+
+def _summary(accepted: list[int], rounds: int, gamma: int, plain_tok_s: float, spec_tok_s: float) -> dict:
+    n = max(rounds, 1)
+    alpha = sum(a >= 1 for a in accepted) / n
+    predicted = (1 - alpha ** (gamma + 1)) / (1 - alpha) if alpha < 1 else gamma + 1
+    return {"rounds": rounds, "alpha_first": alpha, "mean_accepted": sum(accepted) / n,
+            "tokens_per_forward": 1 + sum(accepted) / n, "predicted_tokens_per_forward": predicted,
+            "plain_tok_s": plain_tok_s, "spec_tok_s": spec_tok_s, "speedup": spec_tok_s / plain_tok_s}
+
+
+if __name__ == "__main__":
+    run_cli(main)
