@@ -206,7 +206,7 @@ def estimate(s: Shape, b: Budget) -> dict[str, float]:
     tokens = b.local_batch * b.seq_len
     stored = trained = s.params
     layers = s.layers
-    if b.kind == "mtp":  # planned: one block + a 2d -> d projection on the frozen trunk, the head shared
+    if b.kind == "mtp":  # one block + a 2d -> d projection on the frozen trunk, the embedding and head shared
         trained = s.block_params + 2 * s.d_model ** 2
         stored += trained
         layers = 1  # the trunk runs without grad; only the MTP block keeps activations

@@ -76,8 +76,6 @@ def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
                  *_opt("--protect", st.protect),
                  *_opt("--sparsity", st.sparsity), *_opt("--calib-windows", st.calib_windows),
                  *_opt("--calib-seq-len", st.calib_seq_len), *_opt("--calib-corpus", calib), "--out", st.dst]]
-    if st.kind == "mtp":
-        return []  # planned (another issue)
     if st.kind in TRAINING:
         launch = [*shlex.split(env.get("SMELT_LAUNCH_PREFIX", "")), PY, "-m", "train.launch", "--nproc",
                   str(par.nproc)]
@@ -137,9 +135,6 @@ def plan(recipe: Recipe, shape, env: dict, only: str | None = None) -> dict:
             b = entry["budget"] = {k: v for k, v in st.budget.items() if k != "overrides"}
             entry.update(tokens=b["steps"] * b["global_batch"] * b["seq_len"],
                          tokens_formula=f"{b['steps']} steps x {b['global_batch']} x {b['seq_len']}")
-            if st.kind == "mtp":
-                out["notes"].append(f"stage {st.name}: mtp is planned, not built (running it is an error); "
-                                    f"its memory assumes one block + a 2d->d projection on the frozen trunk")
             if shape is not None:
                 mem = estimate(shape, Budget(st.kind, b["local_batch"], b["seq_len"], b["dtype"], recipe.dp,
                                              par.device, b["activation_checkpoint"], b["fake_quant"]))
@@ -183,9 +178,6 @@ def run_stage(recipe: Recipe, st: Stage, env: dict) -> None:
     """Run one stage as child processes, skipping finished work as scripts/recipe.sh does."""
     print(f"== {st.name} [{st.kind}]", flush=True)
     env = {**wandb_identity(recipe, st), **env}  # what the user set wins
-    if st.kind == "mtp":
-        raise SmeltError(f"stage {st.name}: the mtp stage is not built yet (planned); remove it to run "
-                         f"the rest")
     if st.kind in TRAINING and recipe.parallelism.nodes > 1 and not env.get("SMELT_RDZV_ENDPOINT"):
         raise SmeltError(f"stage {st.name}: {recipe.parallelism.nodes} nodes need "
                          f"SMELT_RDZV_ENDPOINT=HOST:PORT")

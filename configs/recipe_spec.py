@@ -75,7 +75,7 @@ class PruneStage(Stage):            # prune.run on the teacher
 
 
 @dataclass
-class TrainStage(Stage):            # recover / qat (train.launch) / mtp (planned)
+class TrainStage(Stage):            # recover / mtp / qat (train.launch)
     steps: int = 0
     config: str = ""                # a function of train/config_registry.py
     input: str = ""                 # an earlier stage's name or an artifact directory; default: the last
@@ -200,7 +200,7 @@ def _input(st: Stage, where: str, outputs: dict, default: str | None, want: tupl
 
 
 def _budget(recipe: Recipe, st: TrainStage, where: str, registry: dict) -> dict:
-    if st.kind != "mtp" and st.config not in registry:
+    if st.config not in registry:
         raise SmeltError(f"{where}.config {st.config!r} is not a config of train/config_registry.py "
                          f"({', '.join(registry)})")
     if st.steps <= 0:

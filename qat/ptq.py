@@ -10,6 +10,7 @@ the quantized artifact format of qat.qparams: dequantized weights + scales (+ ma
 """
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from core.files import atomic_dir
 from core.masks import load_dense_rows, load_masks, save_masks
 from models.hf_io import load_hf, load_tokenizer, save_hf
 from models.llama import DEFAULT_SKIP
+from models.mtp import MTP_FILE
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 from qat.fake_quant import quantized_linears
 from qat.gptq import gptq_quantize
@@ -122,6 +124,8 @@ def main(argv: list[str] | None = None) -> None:
         save_qparams(model, qparams, spec, tmp)
         if masks:
             save_masks(model, masks, tmp, load_dense_rows(src))
+        if (src / MTP_FILE).is_file():  # carried through; its metadata names the model it was trained on
+            shutil.copy2(src / MTP_FILE, tmp / MTP_FILE)
         if args.eval:
             del model
             release_memory()

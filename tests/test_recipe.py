@@ -115,7 +115,7 @@ def test_llama_8b_plan_shapes_parallelism_and_memory(capsys, tmp_path, monkeypat
     assert m["params"] == pytest.approx(8.03e9, rel=0.01)
     assert plan["parallelism"]["dp"] == 16 and "2 node(s) x 8 GPU(s) = data-parallel 16" in out
     stages = {s["name"]: s for s in plan["stages"]}
-    assert stages["mtp"]["commands"] == [] and "not built" in out
+    assert "--config h100_mtp --student " in stages["mtp"]["commands"][0] and "not built" not in out
     recover = stages["recover"]["commands"][0]
     assert recover.startswith("srun --nodes=2 task.sh python -m train.launch --nproc 8 --nnodes 2 "
                               "--rdzv-endpoint node0:29500 --rdzv-id smelt -- ")
@@ -136,7 +136,10 @@ def test_debug_plan_reads_the_teacher_dir_and_counts_parameters_exactly(capsys, 
     assert (m["layers"], m["d_model"], m["heads"], m["kv_heads"], m["ffn"], m["vocab"]) == (2, 64, 4, 2, 128,
                                                                                              260)
     assert m["params"] == sum(p.numel() for p in build_model(tiny_config()).parameters())
-    _check_memory(plan, ["recover", "qat"])
+    _check_memory(plan, ["recover", "mtp", "qat"])
+    mtp = {s["name"]: s for s in plan["stages"]}["mtp"]
+    assert "--config debug_mtp --student" in mtp["commands"][0] and mtp["input"].endswith("recovered-2of4")
+    assert {s["name"]: s for s in plan["stages"]}["quantize"]["input"].endswith("mtp-2of4")
     assert not (tmp_path / "run").exists()
 
 
@@ -265,12 +268,9 @@ def test_debug_prune_stage_runs_then_skips(capfd, tmp_path, tiny_model_dir):
     assert sorted(p.name for p in run.iterdir()) == ["heads.json", "heads.png", "pruned-2of4"]
 
 
-def test_missing_input_and_mtp_are_one_line_at_run_time(capsys, tmp_path, tiny_model_dir):
+def test_missing_input_is_one_line_at_run_time(capsys, tmp_path, tiny_model_dir):
     run = tmp_path / "run"
     base = [RECIPES / "debug.toml", "--set", f"teacher={tiny_model_dir}", "--set", f"run_dir={run}"]
     code, _, err = _cli(capsys, *base, "--stage", "recover")
     assert code == 2 and f"input {run}/pruned-2of4 does not exist" in err and err.count("\n") == 1
-    code, _, err = _cli(capsys, RECIPES / "llama3.1-8b-h100.toml", "--stage", "mtp", "--set",
-                        f"run_dir={run}", "--set", f"stages.mtp.input={tiny_model_dir}")
-    assert code == 2 and "mtp stage is not built yet" in err
     assert not run.exists()

@@ -161,6 +161,15 @@ def test_mtp_trains_on_the_frozen_model_exports_its_file_and_drafts_exactly(dirs
         load_mtp(out, trained, depth=3)
     with pytest.raises(SmeltError, match="trained against another main model"):
         load_mtp(_copy_with_other_weights(out, dirs / "mtp-moved"), trained)
+    # the MTP file travels through PTQ unchanged, still naming the model it was trained against
+    from qat.ptq import main as ptq
+
+    ptq(["--teacher", str(dirs / "teacher"), "--artifact", str(out), "--method", "rtn", "--group-size", "32",
+         "--out", str(dirs / "mtp-rtn")])
+    assert (dirs / "mtp-rtn" / "mtp.safetensors").read_bytes() == (out / "mtp.safetensors").read_bytes()
+    with pytest.raises(SmeltError, match="trained against another main model"):
+        load_mtp(dirs / "mtp-rtn", load_hf(dirs / "mtp-rtn"))
+    assert load_mtp(dirs / "mtp-rtn", load_hf(dirs / "mtp-rtn"), check_fingerprint=False).depth == 2
 
 
 def _copy_with_other_weights(src: Path, dst: Path) -> Path:

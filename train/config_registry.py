@@ -127,6 +127,16 @@ def _mtp(cfg: SmeltTrainer.Config, depth: int = 1) -> SmeltTrainer.Config:
     return cfg
 
 
+def h100_mtp() -> SmeltTrainer.Config:
+    """One MTP module on the frozen recovered model, on H100 nodes (bf16 compute, fp32 masters)."""
+    cfg = _mtp(_config(steps=1000, batch=8, seq_len=2048, lr=3e-4, warmup=50, interval=250, dtype="bfloat16",
+                       deterministic=False))
+    cfg.training.global_batch_size = 128
+    cfg.dataloader.source = MIXED_CORPUS
+    cfg.optimizer.implementation = "fused"
+    return cfg
+
+
 def debug_mtp() -> SmeltTrainer.Config:
     """Tiny MTP run (depth 2) on a frozen main model (tests)."""
     return _mtp(_config(steps=6, batch=2, seq_len=32, lr=3e-3, warmup=1, interval=2), depth=2)
