@@ -95,6 +95,15 @@ def corpus_tokens(tokenizer, name: str) -> torch.Tensor:
     return cache[name]
 
 
+def bucket_prompts(tokenizer, bucket: str, n: int, length: int, seed: int = 0) -> list[torch.Tensor]:
+    """n prompts [1, length] of an evaluation bucket's text at seeded offsets, BOS first (decoding probes:
+    speculative acceptance, the release's MTP check)."""
+    text = corpus_tokens(tokenizer, BUCKETS[bucket])
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(text) - length, (n,), generator=g).tolist()
+    return [torch.tensor([[bos_id(tokenizer), *text[s:s + length - 1].tolist()]]) for s in starts]
+
+
 def bos_id(tokenizer) -> int:
     if tokenizer.bos_token_id is None:
         raise SmeltError("tokenizer has no BOS token; windows need one")

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from core.data import BUCKETS, corpus_tokens
+from core.data import BUCKETS, bucket_prompts
 from core.device import machine_record
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_write_text
@@ -34,14 +34,6 @@ from models.hf_io import load_hf, load_tokenizer
 from models.mtp import load_mtp, mtp_metadata
 from models.speculative import speculative_generate
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
-
-
-def bucket_prompts(tokenizer, lang: str, n: int, length: int, seed: int = 0) -> list[torch.Tensor]:
-    text = corpus_tokens(tokenizer, BUCKETS[lang])  # evaluation text: this is an evaluation
-    g = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, len(text) - length, (n,), generator=g).tolist()
-    bos = tokenizer.bos_token_id
-    return [torch.tensor([[bos, *text[s:s + length - 1].tolist()]]) for s in starts]
 
 
 @torch.no_grad()

@@ -124,3 +124,17 @@ def speculative_generate(model: Transformer, heads: MTPHeads, prompt: torch.Tens
             mcache[k - 1].truncate(count[k])
     stats.seconds = time.perf_counter() - t0
     return torch.tensor([seq[:P + max_new_tokens]]), stats
+
+
+def acceptance_probe(model: Transformer, heads: MTPHeads, prompts: list[list[int]], new_tokens: int,
+                     gamma: int = 1) -> dict:
+    """Greedy self-speculative decoding of fixed prompts: what a release records about its MTP modules and
+    its verifier re-measures (deterministic given the weights, up to floating-point ties)."""
+    accepted, rounds = [], 0
+    for ids in prompts:
+        _, stats = speculative_generate(model, heads, torch.tensor([ids]), new_tokens, gamma=gamma)
+        accepted += stats.accepted
+        rounds += stats.rounds
+    n = max(rounds, 1)
+    return {"gamma": gamma, "new_tokens": new_tokens, "rounds": rounds,
+            "alpha_first": sum(a >= 1 for a in accepted) / n, "mean_accepted": sum(accepted) / n}

@@ -25,7 +25,10 @@ from core.files import atomic_dir, read_safetensors, sha256_file
 from core.hf_names import to_hf_name
 from core.masks import DENSE_ROWS, MASKS_FILE
 from core.patterns import NMPattern
-from models.hf_io import read_hf_config, read_hf_tensors
+from core.data import bucket_prompts
+from models.hf_io import load_hf, load_tokenizer, read_hf_config, read_hf_tensors
+from models.mtp import MTP_FILE, load_mtp, main_fingerprint, mtp_metadata
+from models.speculative import acceptance_probe
 from qat.qparams import QPARAMS_FILE, read_qparams, spec_to_dict
 from qat.quantizers import QuantSpec, check_group, dequantize, quantize
 
@@ -182,6 +185,28 @@ def read_eval_metrics(path: str | Path, art: Path) -> dict:
     return ev
 
 
+MTP_PROBE = {"buckets": ("en", "zh", "code"), "per_bucket": 2, "length": 64, "new_tokens": 32, "gamma": 1}
+
+
+def mtp_record(art: Path) -> dict | None:
+    """What the release says about its MTP modules: depth, the main model they were trained against (and
+    whether that is the released one), and their greedy acceptance on fixed prompts (the verifier re-runs it)."""
+    meta = mtp_metadata(art)
+    if meta is None:
+        return None
+    model = load_hf(art).eval()
+    heads = load_mtp(art, model, check_fingerprint=False)
+    tokenizer = load_tokenizer(art)
+    p = MTP_PROBE
+    prompts = [t[0].tolist() for b in p["buckets"] for t in bucket_prompts(tokenizer, b, p["per_bucket"], p["length"])]
+    with torch.no_grad():
+        probe = acceptance_probe(model, heads, prompts, p["new_tokens"], p["gamma"])
+    own = main_fingerprint(art)
+    return {"file": MTP_FILE, "depth": int(meta["depth"]), "trained_against": meta["main_fingerprint"],
+            "released_main_model": own, "trained_on_released_model": meta["main_fingerprint"] == own,
+            "probe": {**probe, "prompts": prompts}}
+
+
 def build_release(artifact_dir: str | Path, out_dir: str | Path, overwrite: bool = False,
                   metrics_file: str | Path | None = None) -> Path:
     art, out = Path(artifact_dir), Path(out_dir)
@@ -245,7 +270,7 @@ def build_release(artifact_dir: str | Path, out_dir: str | Path, overwrite: bool
                                  "modules": len(qparams)},
                 "sparsity": {"pattern": str(SPARSE_24), "modules": len(sparse),
                              "undeclared_masks": sorted(set(masks) - set(sparse))} if masks else None,
-                "source": str(art.resolve())}
+                "source": str(art.resolve()), "mtp": mtp_record(art)}
     with atomic_dir(out, overwrite=overwrite) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -19,10 +19,18 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from core.errors import ArgumentParser, run_cli
+from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import sha256_file
+from core.hf_names import from_hf_name
+from models.hf_io import config_from_hf
+from models.llama import Transformer
+from models.mtp import MTP_FILE, load_mtp
+from models.speculative import acceptance_probe
 from qat.release import (COMPRESSION_FORMAT, RELEASE_MANIFEST, SPARSE_24, SPARSITY_JSON, rows_from_ranges,
                          unpack_mask)
+
+
+MTP_TOLERANCE = 0.05  # greedy acceptance is deterministic up to floating-point ties across machines
 
 
 class Report:
@@ -188,7 +196,8 @@ def _check_sparsity(rel: Path, scheme, mods: dict, bad_mods: set[str], r: Report
              "and masks")
 
 
-def _check_load(rel: Path, r: Report, n_tokens: int = 8) -> None:
+def _check_load(rel: Path, r: Report, n_tokens: int = 8):
+    """transformers loads the release and gives finite logits; returns the loaded model (None on failure)."""
     from transformers import AutoModelForCausalLM  # heavy: only the load check
 
     try:
@@ -203,8 +212,46 @@ def _check_load(rel: Path, r: Report, n_tokens: int = 8) -> None:
         return
     if not torch.isfinite(logits).all():
         r.fail("transformers forward gives non-finite logits")
+        return None
+    r.ok(f"transformers {type(model).__name__} loads and gives finite logits on {n_tokens} tokens")
+    return model
+
+
+def _check_mtp(rel: Path, r: Report, hf_model) -> None:
+    """The MTP file: shapes for this main model (load_mtp checks them), and the recorded greedy acceptance
+    reproduced on the release's own decompressed weights (alpha within MTP_TOLERANCE)."""
+    rec = (json.loads((rel / RELEASE_MANIFEST).read_text()).get("settings") or {}).get("mtp")
+    if rec is None:
+        if (rel / MTP_FILE).is_file():
+            r.fail(f"{MTP_FILE} is in the release but smelt_release.json has no settings.mtp")
+        return
+    if hf_model is None:
+        r.lines.append("  skip  MTP acceptance (needs the transformers load)")
+        return
+    try:
+        cfg = config_from_hf(json.loads((rel / "config.json").read_text()))
+        model = Transformer(cfg)
+        state = {from_hf_name(k): v for k, v in hf_model.state_dict().items() if k.endswith(".weight")}
+        missing = set(model.state_dict()) - set(state) - {"output.weight"}
+        if missing:
+            raise SmeltError(f"the loaded release has no {sorted(missing)[0]}")
+        model.load_state_dict(state, strict=False)
+        if cfg.tie_embeddings:
+            model.output.weight = model.tok_embeddings.weight
+        model.eval()
+        heads = load_mtp(rel, model, check_fingerprint=False)
+        p = rec["probe"]
+        with torch.no_grad():
+            got = acceptance_probe(model, heads, p["prompts"], p["new_tokens"], p["gamma"])
+    except Exception as e:  # noqa: BLE001 - a bad MTP file is a failed check
+        r.fail(f"MTP modules: {_first_line(e)}")
+        return
+    if abs(got["alpha_first"] - p["alpha_first"]) > MTP_TOLERANCE:
+        r.fail(f"MTP acceptance {got['alpha_first']:.3f} != recorded {p['alpha_first']:.3f} "
+               f"(tolerance {MTP_TOLERANCE})")
     else:
-        r.ok(f"transformers {type(model).__name__} loads and gives finite logits on {n_tokens} tokens")
+        r.ok(f"MTP depth {rec['depth']}: greedy acceptance {got['alpha_first']:.3f} reproduces the recorded "
+             f"{p['alpha_first']:.3f} on {len(p['prompts'])} prompts")
 
 
 def verify_release(release_dir: str | Path, load: bool = True) -> Report:
@@ -221,8 +268,8 @@ def verify_release(release_dir: str | Path, load: bool = True) -> Report:
             _check_sparsity(rel, scheme, mods, bad, r)
         except Exception as e:  # noqa: BLE001 - e.g. a corrupt safetensors header
             r.fail(f"reading tensors failed: {_first_line(e)}")
-    if load:
-        _check_load(rel, r)
+    hf_model = _check_load(rel, r) if load else None
+    _check_mtp(rel, r, hf_model)
     return r
 
 

@@ -18,6 +18,7 @@ from core.patterns import NMPattern
 from core.protected import dense_rows
 from models.hf_io import save_hf
 from models.llama import build_model, linear_names
+from models.mtp import MTPHeads, main_fingerprint, save_mtp
 from qat import release as release_mod
 from qat.fake_quant import fake_quant_modules, freeze, swap_to_fake_quant
 from qat.qparams import QPARAMS_FILE, save_qparams, spec_to_dict
@@ -67,7 +68,9 @@ def artifact(tmp_path_factory) -> tuple[Path, torch.Tensor]:
     save_hf(export, out, tokenizer=make_byte_tokenizer())
     save_masks(export, masks, out, dense)
     save_qparams(export, {n: (s, zp) for n, (_, s, zp) in frozen.items()}, SPEC, out)
-    save_file({"mtp.0.proj.weight": torch.randn(4, 4)}, str(out / "mtp.safetensors"))
+    heads = MTPHeads(cfg, 1)  # MTP modules trained against this very model (here: initialised from it)
+    heads.init_weights(seed=0, trunk=export)
+    save_mtp(dict(heads.named_parameters()), cfg, out, main_fingerprint(out))
     write_manifest(out, "qat", {"quant": spec_to_dict(SPEC)}, {"ppl": 12.5}, parent=parent_record(root / "prune"))
     return out, ref
 
@@ -150,6 +153,22 @@ def test_verify_holds_other_rows_of_a_module_with_dense_rows_to_24(release, tmp_
     (rel / "sparsity.json").write_text(json.dumps(meta))
     fails = verify_release(rel, load=False).failures
     assert any(f.startswith(f"{Q}: ") and "groups of 4 have more than 2 non-zero" in f for f in fails), fails
+
+
+def test_release_records_mtp_acceptance_and_verify_reproduces_it(release, tmp_path, capsys):
+    from qat.verify import main
+
+    rec = json.loads((release / "smelt_release.json").read_text())["settings"]["mtp"]
+    assert rec["depth"] == 1 and rec["file"] == "mtp.safetensors" and rec["trained_on_released_model"] is True
+    assert len(rec["probe"]["prompts"]) == 6 and 0 <= rec["probe"]["alpha_first"] <= 1
+    assert main([str(release)]) == 0
+    assert "MTP depth 1: greedy acceptance" in capsys.readouterr().out
+    rel = _copy(release, tmp_path)
+    man = json.loads((rel / "smelt_release.json").read_text())
+    man["settings"]["mtp"]["probe"]["alpha_first"] += 0.5  # a record the MTP file does not reproduce
+    (rel / "smelt_release.json").write_text(json.dumps(man))
+    fails = verify_release(rel).failures
+    assert len(fails) == 1 and fails[0].startswith("MTP acceptance"), fails
 
 
 def test_verify_catches_flipped_byte(release, tmp_path):
