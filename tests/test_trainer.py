@@ -172,6 +172,21 @@ def test_mtp_trains_on_the_frozen_model_exports_its_file_and_drafts_exactly(dirs
     assert load_mtp(dirs / "mtp-rtn", load_hf(dirs / "mtp-rtn"), check_fingerprint=False).depth == 2
 
 
+def test_mtp_joint_mode_trains_the_main_model_too(dirs, straight_run):
+    from models.mtp import load_mtp
+
+    src, out = straight_run.out, dirs / "mtp-joint-out"
+    cmd = LAUNCH[:-1] + ["debug_mtp_joint", "--student", str(src), "--teacher", str(dirs / "teacher"),
+                         "--dump_folder", str(dirs / "mtp-joint"), "--export_dir", str(out)]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    start, trained = load_hf(src), load_hf(out)
+    w0, w1 = start.layers["0"].feed_forward.w3.weight, trained.layers["0"].feed_forward.w3.weight
+    assert not torch.equal(w0, w1)  # the main model trained
+    assert MaskSet(trained, load_masks(out)).violations() == 0  # and kept its masks
+    assert load_mtp(out, trained).depth == 1  # the modules name the main model they were trained with
+
+
 def _copy_with_other_weights(src: Path, dst: Path) -> Path:
     import shutil
 

@@ -142,6 +142,14 @@ def debug_mtp() -> SmeltTrainer.Config:
     return _mtp(_config(steps=6, batch=2, seq_len=32, lr=3e-3, warmup=1, interval=2), depth=2)
 
 
+def debug_mtp_joint() -> SmeltTrainer.Config:
+    """Tiny joint run: the main model trains too (its loss + 0.5 x the MTP loss) (tests)."""
+    cfg = _mtp(_config(steps=4, batch=2, seq_len=32, lr=1e-3, warmup=1, interval=2), depth=1)
+    cfg.model_spec.model.mtp.joint, cfg.model_spec.model.mtp.weight = True, 0.5
+    cfg.loss.ce_weight = 0.0  # both distil to the teacher (KL), as recovery does
+    return cfg
+
+
 def smollm2_mtp() -> SmeltTrainer.Config:
     """One MTP module (depth 1) for SmolLM2-135M on the frozen recovered model: 4 x 256 tokens a step."""
     cfg = _mtp(_config(steps=200, batch=2, seq_len=256, lr=1e-3, warmup=10, interval=50))
