@@ -155,3 +155,21 @@ def test_benchmark_cli_reports_acceptance_and_speed_and_refuses_a_foreign_mtp_fi
     with pytest.raises(SystemExit):
         run_cli(lambda: main(["--model", str(out)]))
     assert "trained against another main model" in capsys.readouterr().err
+
+
+def test_an_mtp_file_for_another_shape_or_depth_is_refused(tmp_path):
+    from dataclasses import replace
+
+    from models.mtp import load_mtp_into, save_mtp
+
+    heads = MTPHeads(CFG, 1)
+    heads.init_weights(seed=0)
+    save_mtp(dict(heads.named_parameters()), CFG, tmp_path, "f" * 64)
+    load_mtp_into(MTPHeads(CFG, 1), tmp_path)  # the same shape loads
+    with pytest.raises(SmeltError, match="built for ffn_hidden=64, the main model has 96"):
+        load_mtp_into(MTPHeads(replace(CFG, ffn_hidden=96), 1), tmp_path)
+    with pytest.raises(SmeltError, match="MTP depth 2 requested, the file holds 1"):
+        load_mtp_into(MTPHeads(CFG, 2), tmp_path)
+    (tmp_path / "mtp.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(SmeltError):
+        load_mtp_into(MTPHeads(CFG, 1), tmp_path)
