@@ -39,6 +39,7 @@ from configs.recipe_spec import (
     Stage,
     TrainStage,
     load,
+    metrics_source,
 )
 from configs.schema import build
 from core.calibrate import CalibConfig
@@ -93,7 +94,7 @@ def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
                  *_opt("--calib-seq-len", st.calib_seq_len), *_opt("--calib-corpus", calib), "--out", st.dst]]
     if st.kind == "release":
         return [[PY, "-m", "qat.release", "--artifact", st.src, "--out", st.dst,
-                 *(["--metrics", recipe.evals(st.src)] if st.metrics else [])]]
+                 *(["--metrics", recipe.evals(metrics_source(recipe, st))] if st.metrics else [])]]
     if st.kind == "verify":
         return [[PY, "-m", "qat.verify", st.src]]
     if st.kind == "report":
@@ -188,9 +189,9 @@ def run_stage(recipe: Recipe, st: Stage, env: dict) -> None:
         if st.src and st.src != recipe.teacher and not Path(st.src).exists():
             raise SmeltError(f"stage {st.name}: input {st.src} does not exist (run the stage that writes "
                              f"it first)")
-        if isinstance(st, ReleaseStage) and st.metrics and not Path(recipe.evals(st.src)).is_file():
-            raise SmeltError(f"stage {st.name}: {recipe.evals(st.src)} does not exist (evaluate {st.src} "
-                             f"first)")
+        src = metrics_source(recipe, st) if isinstance(st, ReleaseStage) and st.metrics else None
+        if src is not None and not Path(recipe.evals(src)).is_file():
+            raise SmeltError(f"stage {st.name}: {recipe.evals(src)} does not exist (evaluate {src} first)")
         for cmd in commands(recipe, st, env):
             text = _call(st, cmd, env, capture="models.teacher" in cmd)
             if "models.teacher" in cmd:

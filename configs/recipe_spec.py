@@ -234,6 +234,19 @@ def _budget(recipe: Recipe, st: TrainStage, where: str, registry: dict) -> dict:
     return b
 
 
+def metrics_source(recipe: Recipe, st: ReleaseStage, index: int | None = None) -> str:
+    """The artifact whose evaluation a release keeps: its input, or, when that is an unevaluated mtp stage
+    (modules trained on a frozen main model), that stage's input, whose main model it is (qat.release checks
+    the main model's fingerprint, so a jointly trained one is refused there)."""
+    stages = recipe.stages[:index] if index is not None else recipe.stages
+    src = st.src
+    while True:
+        parent = next((s for s in stages if s.dst == src), None)
+        if parent is None or parent.kind != "mtp" or parent.evaluate:
+            return src
+        src = parent.src
+
+
 def check(recipe: Recipe, registry: dict) -> None:
     """Everything that can be checked before running: values, names, the chain of inputs and outputs."""
     par = recipe.parallelism
@@ -301,7 +314,7 @@ def check(recipe: Recipe, registry: dict) -> None:
         if isinstance(st, TrainStage):
             st.budget = _budget(recipe, st, where, registry)
         if isinstance(st, ReleaseStage) and st.metrics:
-            parent = next((s for s in recipe.stages[:i] if s.dst == st.src), None)
+            parent = next((s for s in recipe.stages[:i] if s.dst == metrics_source(recipe, st, i)), None)
             if parent is not None and not parent.evaluate:
                 raise SmeltError(f"{where}.metrics needs stage {parent.name!r} evaluated (evaluate = true), "
                                  f"or set metrics = false")

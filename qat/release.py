@@ -20,12 +20,12 @@ import torch
 from safetensors.torch import save_file
 
 from core.artifact import read_manifest
+from core.data import bucket_prompts
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_dir, read_safetensors, sha256_file
 from core.hf_names import to_hf_name
 from core.masks import DENSE_ROWS, MASKS_FILE
 from core.patterns import NMPattern
-from core.data import bucket_prompts
 from models.hf_io import load_hf, load_tokenizer, read_hf_config, read_hf_tensors
 from models.mtp import MTP_FILE, load_mtp, main_fingerprint, mtp_metadata
 from models.speculative import acceptance_probe
@@ -180,8 +180,13 @@ def read_eval_metrics(path: str | Path, art: Path) -> dict:
     ev = json.loads(path.read_text())
     if "buckets" not in ev or "model" not in ev:
         raise SmeltError(f"--metrics {path} is not an eval.evaluate --out file (no buckets/model)")
-    if Path(ev["model"]).resolve() != art.resolve():
-        raise SmeltError(f"--metrics {path} evaluated {ev['model']}, not the artifact {art}")
+    evaluated = Path(ev["model"])
+    # The evaluation measures the main model: one of another artifact holding the very same main model (MTP
+    # modules trained on it, frozen) is this artifact's evaluation too.
+    same = evaluated.resolve() == art.resolve() or ((evaluated / "config.json").is_file()
+                                                    and main_fingerprint(evaluated) == main_fingerprint(art))
+    if not same:
+        raise SmeltError(f"--metrics {path} evaluated {ev['model']}, not the artifact {art} (nor its main model)")
     return ev
 
 

@@ -136,10 +136,14 @@ def test_debug_plan_reads_the_teacher_dir_and_counts_parameters_exactly(capsys, 
     assert (m["layers"], m["d_model"], m["heads"], m["kv_heads"], m["ffn"], m["vocab"]) == (2, 64, 4, 2, 128,
                                                                                              260)
     assert m["params"] == sum(p.numel() for p in build_model(tiny_config()).parameters())
-    _check_memory(plan, ["recover", "mtp", "qat"])
+    _check_memory(plan, ["recover", "mtp", "qat", "realign"])
     mtp = {s["name"]: s for s in plan["stages"]}["mtp"]
     assert "--config debug_mtp --student" in mtp["commands"][0] and mtp["input"].endswith("recovered-2of4")
-    assert {s["name"]: s for s in plan["stages"]}["quantize"]["input"].endswith("mtp-2of4")
+    stages = {s["name"]: s for s in plan["stages"]}
+    assert stages["quantize"]["input"].endswith("mtp-2of4")
+    # the release packs the re-aligned artifact and keeps the evaluation of the QAT'd main model under it
+    assert stages["release"]["commands"][0].endswith(
+        f"--artifact {tmp_path}/run/qat-2of4-mtp --out {tmp_path}/run/release --metrics {tmp_path}/run/evals/qat-2of4.json")
     assert not (tmp_path / "run").exists()
 
 

@@ -264,8 +264,13 @@ def test_release_keeps_the_evaluation_of_its_own_artifact(artifact, tmp_path, ca
     (tmp_path / "other.json").write_text(json.dumps({**ev, "model": str(tmp_path)}))
     err = _cli_error(capsys, "--artifact", str(artifact[0]), "--out", str(tmp_path / "rel2"),
                      "--metrics", str(tmp_path / "other.json"))
-    assert err == f"error: --metrics {tmp_path / 'other.json'} evaluated {tmp_path}, not the artifact {artifact[0]}"
+    assert err == (f"error: --metrics {tmp_path / 'other.json'} evaluated {tmp_path}, not the artifact "
+                   f"{artifact[0]} (nor its main model)")
     assert not (tmp_path / "rel2").exists()
+    # an artifact with the same main model (MTP modules re-aligned on it, frozen) keeps that evaluation
+    twin = _copy(artifact[0], tmp_path / "twin")
+    rel = build_release(twin, tmp_path / "rel3", metrics_file=tmp_path / "ev.json")
+    assert json.loads((rel / "smelt_release.json").read_text())["metrics"]["eval"] == ev
 
 
 def test_release_refuses_off_grid_weights(artifact, tmp_path):
