@@ -103,8 +103,8 @@ def speculative_generate(model: Transformer, heads: MTPHeads, prompt: torch.Tens
                 nxt = best
                 break
             p = _probs(logits[j], temperature)
-            u = torch.rand((), generator=generator, device=p.device)
-            if u * q[j][d] < p[d]:  # accept with probability min(1, p/q)
+            u = float(torch.rand((), generator=generator))  # on the CPU: the generator's device
+            if u * float(q[j][d]) < float(p[d]):  # accept with probability min(1, p/q)
                 a += 1
                 continue
             resid = (p - q[j]).clamp_min(0)
