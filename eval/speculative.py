@@ -63,6 +63,7 @@ def step_costs(model, heads, prompt: torch.Tensor, gamma: int, repeats: int = 20
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}  # medians
 
 
+@torch.no_grad()  # a decorator, not set_grad_enabled: main() also runs inside other processes (tests)
 def main(argv: list[str] | None = None) -> None:
     ap = ArgumentParser(prog="python -m eval.speculative", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="artifact directory with mtp.safetensors")
@@ -84,7 +85,6 @@ def main(argv: list[str] | None = None) -> None:
         raise SmeltError(f"--gamma {args.gamma} must be >= 1")
     if args.prompts < 1 or args.prompt_len < 2 or args.new_tokens < 1:
         raise SmeltError("--prompts >= 1, --prompt-len >= 2 and --new-tokens >= 1 are required")
-    torch.set_grad_enabled(False)
     model = load_hf(args.model).eval()
     meta = mtp_metadata(args.model)
     if meta is None:
