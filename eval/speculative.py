@@ -32,7 +32,7 @@ from core.files import atomic_write_text
 from models.generate import sample
 from models.hf_io import load_hf, load_tokenizer
 from models.mtp import load_mtp, mtp_metadata
-from models.speculative import speculative_generate
+from models.speculative import acceptance_summary, speculative_generate
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 
 
@@ -94,12 +94,12 @@ def main(argv: list[str] | None = None) -> None:
     heads = load_mtp(args.model, model, check_fingerprint=not args.any_main_model)
     tok_dir = args.model if (Path(args.model) / "tokenizer.json").is_file() else resolve_teacher(args.teacher)
     tokenizer = load_tokenizer(tok_dir)
-    per, rounds_all = {}, []
+    per, accepted_all = {}, []
     plain_s = spec_s = 0.0
     tokens = 0
     for lang in langs:
         prompts = bucket_prompts(tokenizer, lang, args.prompts, args.prompt_len)
-        acc, rounds, p_s, s_s = [], 0, 0.0, 0.0
+        acc, p_s, s_s = [], 0.0, 0.0
         for i, prompt in enumerate(tqdm(prompts, desc=f"speculative {lang}", unit="prompt", leave=False)):
             order = ("plain", "spec") if i % 2 == 0 else ("spec", "plain")
             outs = {}
@@ -114,10 +114,9 @@ def main(argv: list[str] | None = None) -> None:
             if not torch.equal(outs["plain"], outs["spec"]):
                 raise SmeltError(f"{lang} prompt {i}: speculative output differs from plain greedy (a bug)")
             acc += stats.accepted
-            rounds += stats.rounds
         n_tok = args.prompts * args.new_tokens
-        per[lang] = _summary(acc, rounds, args.gamma, n_tok / p_s, n_tok / s_s)
-        rounds_all += acc
+        per[lang] = _summary(acc, args.gamma, n_tok / p_s, n_tok / s_s)
+        accepted_all += acc
         plain_s, spec_s, tokens = plain_s + p_s, spec_s + s_s, tokens + n_tok
     costs = step_costs(model, heads, bucket_prompts(tokenizer, langs[0], 1, args.prompt_len)[0], args.gamma)
     c, r = costs["draft"] / costs["decode"], costs["verify"] / costs["decode"]
@@ -125,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
               "settings": {"prompts_per_bucket": args.prompts, "prompt_len": args.prompt_len,
                            "new_tokens": args.new_tokens, "languages": langs, "greedy": True, "batch": 1},
               "buckets": per,
-              "overall": _summary(rounds_all, len(rounds_all), args.gamma, tokens / plain_s, tokens / spec_s),
+              "overall": _summary(accepted_all, args.gamma, tokens / plain_s, tokens / spec_s),
               "step_seconds": costs, "draft_cost": c, "verify_cost": r,
               "ceiling_speedup": (args.gamma + 1) / (r + args.gamma * c),
               "machine": machine_record(),
@@ -139,13 +138,9 @@ def main(argv: list[str] | None = None) -> None:
         atomic_write_text(args.out, json.dumps(result, indent=1) + "\n")
 
 
-def _summary(accepted: list[int], rounds: int, gamma: int, plain_tok_s: float, spec_tok_s: float) -> dict:
-    n = max(rounds, 1)
-    alpha = sum(a >= 1 for a in accepted) / n
-    predicted = (1 - alpha ** (gamma + 1)) / (1 - alpha) if alpha < 1 else gamma + 1
-    return {"rounds": rounds, "alpha_first": alpha, "mean_accepted": sum(accepted) / n,
-            "tokens_per_forward": 1 + sum(accepted) / n, "predicted_tokens_per_forward": predicted,
-            "plain_tok_s": plain_tok_s, "spec_tok_s": spec_tok_s, "speedup": spec_tok_s / plain_tok_s}
+def _summary(accepted: list[int], gamma: int, plain_tok_s: float, spec_tok_s: float) -> dict:
+    return {**acceptance_summary(accepted, gamma), "plain_tok_s": plain_tok_s, "spec_tok_s": spec_tok_s,
+            "speedup": spec_tok_s / plain_tok_s}
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ position i were computed from token i + k, so they survive while that token was 
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -26,20 +25,26 @@ from models.llama import Transformer
 from models.mtp import MTPHeads
 
 
+def acceptance_summary(accepted: list[int], gamma: int) -> dict:
+    """From the drafts accepted per round: alpha (the first draft's acceptance rate), accepted drafts per
+    round, tokens per main-model forward, and the i.i.d. prediction (1 - alpha^(gamma+1)) / (1 - alpha)."""
+    n = max(len(accepted), 1)
+    alpha = sum(a >= 1 for a in accepted) / n
+    return {"rounds": len(accepted), "alpha_first": alpha, "mean_accepted": sum(accepted) / n,
+            "tokens_per_forward": 1 + sum(accepted) / n, "gamma": gamma,
+            "predicted_tokens_per_forward": (1 - alpha ** (gamma + 1)) / (1 - alpha) if alpha < 1 else gamma + 1}
+
+
 @dataclass
 class SpecStats:
-    rounds: int = 0                 # verification forwards (the prefill is not counted)
-    drafted: int = 0
-    accepted: list[int] = field(default_factory=list)  # drafts accepted per round
-    seconds: float = 0.0
+    accepted: list[int] = field(default_factory=list)  # drafts accepted per round (one verification each)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted)
 
     def summary(self, gamma: int) -> dict:
-        n = max(self.rounds, 1)
-        first = sum(a >= 1 for a in self.accepted) / n  # acceptance rate of the first drafted token
-        return {"rounds": self.rounds, "drafted": self.drafted, "accepted": sum(self.accepted),
-                "alpha_first": first, "acceptance": sum(self.accepted) / max(self.drafted, 1),
-                "mean_accepted": sum(self.accepted) / n,
-                "tokens_per_forward": (sum(self.accepted) + self.rounds) / n, "gamma": gamma}
+        return acceptance_summary(self.accepted, gamma)
 
 
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -66,7 +71,7 @@ def speculative_generate(model: Transformer, heads: MTPHeads, prompt: torch.Tens
     if max_len > model.cfg.max_seq_len:
         raise SmeltError(f"prompt length {P} + {max_new_tokens} new tokens + gamma {gamma} + 1 exceeds the model's "
                          f"max_seq_len={model.cfg.max_seq_len}")
-    stats, t0 = SpecStats(), time.perf_counter()
+    stats = SpecStats()
     device = model.tok_embeddings.weight.device
     cache, mcache = model.new_cache(1, max_len), heads.new_cache(1, max_len)
     dim = model.cfg.dim
@@ -113,7 +118,6 @@ def speculative_generate(model: Transformer, heads: MTPHeads, prompt: torch.Tens
         if nxt is None:             # every draft accepted: the bonus token from p_gamma
             nxt = int(next_token(logits[gamma][None], temperature, generator=generator))
         seq += drafts[:a] + [nxt]
-        stats.rounds, stats.drafted = stats.rounds + 1, stats.drafted + gamma
         stats.accepted.append(a)
         keep = N + 1 + a            # main positions now verified
         for c in cache.values():
@@ -122,7 +126,6 @@ def speculative_generate(model: Transformer, heads: MTPHeads, prompt: torch.Tens
         for k in range(1, gamma + 1):  # level k at position i used token i + k: valid while i + k <= N + a
             count[k] = min(count[k], N + a - k + 1)
             mcache[k - 1].truncate(count[k])
-    stats.seconds = time.perf_counter() - t0
     return torch.tensor([seq[:P + max_new_tokens]]), stats
 
 
@@ -130,11 +133,7 @@ def acceptance_probe(model: Transformer, heads: MTPHeads, prompts: list[list[int
                      gamma: int = 1) -> dict:
     """Greedy self-speculative decoding of fixed prompts: what a release records about its MTP modules and
     its verifier re-measures (deterministic given the weights, up to floating-point ties)."""
-    accepted, rounds = [], 0
+    accepted = []
     for ids in prompts:
-        _, stats = speculative_generate(model, heads, torch.tensor([ids]), new_tokens, gamma=gamma)
-        accepted += stats.accepted
-        rounds += stats.rounds
-    n = max(rounds, 1)
-    return {"gamma": gamma, "new_tokens": new_tokens, "rounds": rounds,
-            "alpha_first": sum(a >= 1 for a in accepted) / n, "mean_accepted": sum(accepted) / n}
+        accepted += speculative_generate(model, heads, torch.tensor([ids]), new_tokens, gamma=gamma)[1].accepted
+    return {**acceptance_summary(accepted, gamma), "new_tokens": new_tokens}
