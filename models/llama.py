@@ -257,7 +257,7 @@ class Transformer(nn.Module):
         max_len = self.cfg.max_seq_len if max_len is None else max_len
         if not 1 <= max_len <= self.cfg.max_seq_len:
             raise ValueError(f"cache max_len={max_len} must be in [1, max_seq_len={self.cfg.max_seq_len}]")
-        w = next(iter(self.layers.values())).attention.wk.weight  # keys/values come out in its dtype
+        w = self.tok_embeddings.weight  # activations (and so keys/values) are in its dtype; Linears may be packed
         return {key: KVCache(batch, self.cfg.n_kv_heads, self.cfg.head_dim, max_len, w.dtype, w.device)
                 for key in self.layers}
 

@@ -26,24 +26,26 @@ from core.files import atomic_dir, read_safetensors, sha256_file
 from core.hf_names import to_hf_name
 from core.masks import DENSE_ROWS, MASKS_FILE
 from core.patterns import NMPattern
+from core.release_layout import (
+    RELEASE_MANIFEST,
+    SPARSITY_FILE,
+    SPARSITY_JSON,
+    SPARSITY_LAYOUT,
+    pack_mask,
+    row_ranges,
+)
 from models.hf_io import load_hf, load_tokenizer, read_hf_config, read_hf_tensors
 from models.mtp import MTP_FILE, load_mtp, main_fingerprint, mtp_metadata
 from models.speculative import acceptance_probe
 from qat.qparams import QPARAMS_FILE, read_qparams, spec_to_dict
 from qat.quantizers import QuantSpec, check_group, dequantize, quantize
 
-RELEASE_MANIFEST = "smelt_release.json"
-SPARSITY_FILE = "sparsity.safetensors"
-SPARSITY_JSON = "sparsity.json"
 COMPRESSION_FORMAT = "pack-quantized"
 SPARSE_24 = NMPattern(2, 4)  # the one N:M pattern a release declares (what sparse tensor cores run)
 # Copied through unchanged: tokenizer files, generation defaults, MTP heads of a later stage.
 PASSTHROUGH = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
                "generation_config.json", "mtp.safetensors")
-SPARSITY_LAYOUT = ("per module '<module>.keep_bits': uint8 [out, ceil(in/8)], the bool keep-mask packed "
-                   "along the input dim, little-endian bit order (input i -> byte i//8, bit i%8), so each "
-                   "nibble is one group of 4 inputs (bit j = position j kept); padding bits are 0")
 _MAX_CHAIN = 32  # manifest parent links followed at most (guards against cycles)
 
 
@@ -66,37 +68,6 @@ def ct_quantization_config(spec: QuantSpec, ignore: list[str]) -> dict:
     return {"version": compressed_tensors.__version__, "quant_method": "compressed-tensors",
             "sparsity_config": {}, "transform_config": {},
             **qc.model_dump(mode="json", exclude={"quant_method"})}
-
-
-def pack_mask(mask: torch.Tensor) -> torch.Tensor:
-    """bool [out, in] -> uint8 [out, ceil(in/8)], little-endian bits (see SPARSITY_LAYOUT)."""
-    out, n = mask.shape
-    m = torch.nn.functional.pad(mask.to(torch.uint8), (0, -n % 8)).reshape(out, -1, 8)
-    return (m << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
-
-
-def unpack_mask(bits: torch.Tensor, in_features: int) -> torch.Tensor:
-    m = (bits[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1
-    return m.reshape(bits.shape[0], -1)[:, :in_features].bool()
-
-
-def row_ranges(rows: torch.Tensor) -> list[list[int]]:
-    """bool [out] -> [[start, end), ...] of the True runs (how sparsity.json lists dense rows)."""
-    idx = rows.nonzero().flatten().tolist()
-    runs: list[list[int]] = []
-    for i in idx:
-        if runs and runs[-1][1] == i:
-            runs[-1][1] = i + 1
-        else:
-            runs.append([i, i + 1])
-    return runs
-
-
-def rows_from_ranges(ranges: list[list[int]], out_features: int) -> torch.Tensor:
-    rows = torch.zeros(out_features, dtype=torch.bool)
-    for start, end in ranges:
-        rows[start:end] = True
-    return rows
 
 
 def stage_chain(manifest: dict) -> list[dict]:

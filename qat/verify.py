@@ -22,13 +22,12 @@ from safetensors.torch import load_file
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import sha256_file
 from core.hf_names import from_hf_name
+from core.release_layout import RELEASE_MANIFEST, SPARSITY_JSON, rows_from_ranges, unpack_mask
 from models.hf_io import config_from_hf
 from models.llama import Transformer
 from models.mtp import MTP_FILE, load_mtp
 from models.speculative import acceptance_probe
-from qat.release import (COMPRESSION_FORMAT, RELEASE_MANIFEST, SPARSE_24, SPARSITY_JSON, rows_from_ranges,
-                         unpack_mask)
-
+from qat.release import COMPRESSION_FORMAT, SPARSE_24
 
 MTP_TOLERANCE = 0.05  # greedy acceptance is deterministic up to floating-point ties across machines
 

@@ -92,3 +92,54 @@ def make_distill_dirs(root: Path) -> Path:
     save_hf(student, root / "student", tokenizer=tok)
     save_masks(student, masks, root / "student")
     return root
+
+
+def make_qat_artifact(root: Path, spec, protected, tokens: torch.Tensor) -> tuple[Path, torch.Tensor]:
+    """A QAT-stage artifact (dequantized weights + masks + qparams + manifest) and the logits of the
+    fake-quantized model it came from."""
+    from core.artifact import parent_record, write_manifest
+    from core.masks import save_masks
+    from core.patterns import NMPattern
+    from core.protected import dense_rows
+    from models.hf_io import save_hf
+    from models.llama import linear_names
+    from models.mtp import MTPHeads, main_fingerprint, save_mtp
+    from qat.fake_quant import fake_quant_modules, freeze, swap_to_fake_quant
+    from qat.qparams import save_qparams, spec_to_dict
+    from qat.quantizers import dequantize
+
+    cfg = tiny_config()
+    model = build_model(cfg, seed=1)
+    mods = dict(model.named_modules())
+    masks = {}
+    dense = dense_rows(protected, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+    with torch.no_grad():
+        for n in linear_names(model):
+            masks[n] = NMPattern(2, 4).keep_top(mods[n].weight.abs())
+            if n in dense:
+                masks[n][dense[n]] = True
+            mods[n].weight.mul_(masks[n])
+    swap_to_fake_quant(model, spec)
+    for fq in fake_quant_modules(model).values():  # the weights are already masked, as the trainer keeps them
+        fq.init_scales()
+    frozen = freeze(model)
+    with torch.no_grad():
+        ref = model(tokens)
+    export = build_model(cfg, seed=1)  # same seed: same embeddings/norms; linears get the dequantized codes
+    emods = dict(export.named_modules())
+    with torch.no_grad():
+        for n, (q, s, zp) in frozen.items():
+            emods[n].weight.copy_(dequantize(q, s, zp, spec))
+    (root / "teacher").mkdir()  # a source without a manifest, like a downloaded teacher
+    (root / "prune").mkdir()
+    write_manifest(root / "prune", "prune", {"pattern": "2:4"}, parent=parent_record(root / "teacher"))
+    out = root / "qat"
+    out.mkdir()
+    save_hf(export, out, tokenizer=make_byte_tokenizer())
+    save_masks(export, masks, out, dense)
+    save_qparams(export, {n: (s, zp) for n, (_, s, zp) in frozen.items()}, spec, out)
+    heads = MTPHeads(cfg, 1)  # MTP modules trained against this very model (here: initialised from it)
+    heads.init_weights(seed=0, trunk=export)
+    save_mtp(dict(heads.named_parameters()), cfg, out, main_fingerprint(out))
+    write_manifest(out, "qat", {"quant": spec_to_dict(spec)}, {"ppl": 12.5}, parent=parent_record(root / "prune"))
+    return out, ref

@@ -7,23 +7,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_byte_tokenizer, tiny_config
+from conftest import make_qat_artifact
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from core.artifact import parent_record, write_manifest
 from core.errors import SmeltError, run_cli
-from core.masks import MASKS_FILE, save_masks
-from core.patterns import NMPattern
-from core.protected import dense_rows
-from models.hf_io import save_hf
-from models.llama import build_model, linear_names
-from models.mtp import MTPHeads, main_fingerprint, save_mtp
+from core.masks import MASKS_FILE
+from core.release_layout import pack_mask, unpack_mask
 from qat import release as release_mod
-from qat.fake_quant import fake_quant_modules, freeze, swap_to_fake_quant
-from qat.qparams import QPARAMS_FILE, save_qparams, spec_to_dict
-from qat.quantizers import QuantSpec, dequantize
-from qat.release import build_release, pack_mask, stage_chain, unpack_mask
+from qat.qparams import QPARAMS_FILE
+from qat.quantizers import QuantSpec
+from qat.release import build_release, stage_chain
 from qat.verify import verify_release
 
 SPEC = QuantSpec(group_size=32)
@@ -35,44 +30,7 @@ PROTECTED = [("1", 2)]  # a protected head of layer 1: its q rows and its KV gro
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory) -> tuple[Path, torch.Tensor]:
-    """A QAT-stage artifact (dequantized weights + masks + qparams + manifest) and the logits of the
-    fake-quantized model it came from."""
-    cfg = tiny_config()
-    model = build_model(cfg, seed=1)
-    mods = dict(model.named_modules())
-    masks = {}
-    dense = dense_rows(PROTECTED, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
-    with torch.no_grad():
-        for n in linear_names(model):
-            masks[n] = NMPattern(2, 4).keep_top(mods[n].weight.abs())
-            if n in dense:
-                masks[n][dense[n]] = True
-            mods[n].weight.mul_(masks[n])
-    swap_to_fake_quant(model, SPEC)
-    for fq in fake_quant_modules(model).values():  # the weights are already masked, as the trainer keeps them
-        fq.init_scales()
-    frozen = freeze(model)
-    with torch.no_grad():
-        ref = model(TOKENS)
-    export = build_model(cfg, seed=1)  # same seed: same embeddings/norms; linears get the dequantized codes
-    emods = dict(export.named_modules())
-    with torch.no_grad():
-        for n, (q, s, zp) in frozen.items():
-            emods[n].weight.copy_(dequantize(q, s, zp, SPEC))
-    root = tmp_path_factory.mktemp("art")
-    (root / "teacher").mkdir()  # a source without a manifest, like a downloaded teacher
-    (root / "prune").mkdir()
-    write_manifest(root / "prune", "prune", {"pattern": "2:4"}, parent=parent_record(root / "teacher"))
-    out = root / "qat"
-    out.mkdir()
-    save_hf(export, out, tokenizer=make_byte_tokenizer())
-    save_masks(export, masks, out, dense)
-    save_qparams(export, {n: (s, zp) for n, (_, s, zp) in frozen.items()}, SPEC, out)
-    heads = MTPHeads(cfg, 1)  # MTP modules trained against this very model (here: initialised from it)
-    heads.init_weights(seed=0, trunk=export)
-    save_mtp(dict(heads.named_parameters()), cfg, out, main_fingerprint(out))
-    write_manifest(out, "qat", {"quant": spec_to_dict(SPEC)}, {"ppl": 12.5}, parent=parent_record(root / "prune"))
-    return out, ref
+    return make_qat_artifact(tmp_path_factory.mktemp("art"), SPEC, PROTECTED, TOKENS)
 
 
 @pytest.fixture(scope="module")

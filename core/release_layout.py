@@ -1,0 +1,190 @@
+"""The release's file layout (docs/release-format.md), shared by its writer (qat.release), its verifier
+(qat.verify) and the kernels' loader (kernels.release_model): file names, the keep-mask packing, dense-row
+ranges, and a reader that gives every quantized Linear's codes, scales and 2:4 structure in either 2:4
+storage:
+
+- `mask` (default; what vLLM and transformers load): pack-quantized `weight_packed` of every row, and the
+  2:4 keep-mask in `sparsity.safetensors`;
+- `compressed` (`qat.release --sparse-storage compressed`): a 2:4 module stores only its kept codes and their
+  position metadata (core.packing's `smelt-24/1`), so the bytes on disk are the bytes a 2:4 + W4 decode step
+  reads; `python -m qat.release --expand` rewrites such a release into the `mask` storage.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from core.errors import SmeltError
+from core.packing import unpack_24, unpack_int4
+
+RELEASE_MANIFEST = "smelt_release.json"
+SPARSITY_FILE = "sparsity.safetensors"
+SPARSITY_JSON = "sparsity.json"
+STORAGES = ("mask", "compressed")
+SPARSITY_LAYOUT = ("per module '<module>.keep_bits': uint8 [out, ceil(in/8)], the bool keep-mask packed "
+                   "along the input dim, little-endian bit order (input i -> byte i//8, bit i%8), so each "
+                   "nibble is one group of 4 inputs (bit j = position j kept); padding bits are 0")
+COMPRESSED_LAYOUT = ("per module in model.safetensors: '<module>.weight_kept' int32 [sparse rows, in/16], the "
+                     "kept int4 codes (2 per group of 4 inputs, +8 offset, 8 per word); '<module>.weight_meta' "
+                     "int32 [sparse rows, in/32], 4 bits per group (bits 0-1 / 2-3: the kept positions, "
+                     "increasing), group g at bits 4*(g%8) of word g//8; '<module>.weight_dense_packed' int32 "
+                     "[dense rows, in/8] for the rows in dense_rows; weight_scale [out, in/group] and "
+                     "weight_shape as pack-quantized. Sparse rows are all rows outside dense_rows, in order")
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """bool [out, in] -> uint8 [out, ceil(in/8)], little-endian bits (see SPARSITY_LAYOUT)."""
+    out, n = mask.shape
+    m = torch.nn.functional.pad(mask.to(torch.uint8), (0, -n % 8)).reshape(out, -1, 8)
+    return (m << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+
+
+def unpack_mask(bits: torch.Tensor, in_features: int) -> torch.Tensor:
+    m = (bits[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1
+    return m.reshape(bits.shape[0], -1)[:, :in_features].bool()
+
+
+def row_ranges(rows: torch.Tensor) -> list[list[int]]:
+    """bool [out] -> [[start, end), ...] of the True runs (how sparsity.json lists dense rows)."""
+    idx = rows.nonzero().flatten().tolist()
+    runs: list[list[int]] = []
+    for i in idx:
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return runs
+
+
+def rows_from_ranges(ranges: list[list[int]], out_features: int) -> torch.Tensor:
+    rows = torch.zeros(out_features, dtype=torch.bool)
+    for start, end in ranges:
+        rows[start:end] = True
+    return rows
+
+
+def sparsity_info(rel: Path) -> dict:
+    """sparsity.json (with `storage`, `mask` for releases written before it existed), or {} if none."""
+    p = rel / SPARSITY_JSON
+    if not p.is_file():
+        return {}
+    info = json.loads(p.read_text())
+    info.setdefault("storage", "mask")
+    if info["storage"] not in STORAGES:
+        raise SmeltError(f"{SPARSITY_JSON}: storage {info['storage']!r} is not one of {', '.join(STORAGES)}")
+    return info
+
+
+@dataclass
+class ReleaseLinear:
+    """One quantized Linear of a release, as stored (int4 symmetric, per-group scales)."""
+    name: str
+    shape: tuple[int, int]
+    group_size: int
+    scale: torch.Tensor                       # float [out, in / group_size]
+    packed: torch.Tensor | None = None        # int32 [out, in/8]: every row (mask storage)
+    keep: torch.Tensor | None = None          # bool [out, in]: declared 2:4 (mask storage)
+    kept: torch.Tensor | None = None          # int32 [sparse rows, in/16] (compressed storage)
+    meta: torch.Tensor | None = None          # int32 [sparse rows, in/32] (compressed storage)
+    dense_packed: torch.Tensor | None = None  # int32 [dense rows, in/8] (compressed storage)
+    dense_rows: torch.Tensor | None = None    # bool [out]: rows left dense in a 2:4 module
+
+    @property
+    def sparse(self) -> bool:
+        return self.keep is not None or self.meta is not None
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices of the 2:4 rows, indices of the dense rows)."""
+        dense = self.dense_rows if self.dense_rows is not None else torch.zeros(self.shape[0], dtype=torch.bool)
+        return (~dense).nonzero().flatten(), dense.nonzero().flatten()
+
+    def codes(self) -> torch.Tensor:
+        """int8 [out, in]: the integer weight (pruned entries are code 0)."""
+        out, inn = self.shape
+        if self.packed is not None:
+            return unpack_int4(self.packed, inn)
+        q = torch.zeros(out, inn, dtype=torch.int8)
+        sparse_idx, dense_idx = self.rows()
+        q[sparse_idx] = unpack_24(unpack_int4(self.kept, inn // 2), self.meta, inn)
+        if len(dense_idx):
+            q[dense_idx] = unpack_int4(self.dense_packed, inn)
+        return q
+
+    def weight(self) -> torch.Tensor:
+        """float32 [out, in] = codes * scale: the weight transformers decompresses and QAT trained."""
+        return self.codes().float() * self.scale.float().repeat_interleave(self.group_size, dim=1)
+
+
+def quant_args(config: dict) -> tuple[int, int]:
+    """(bits, group_size) of a release's config.json, refusing what the int4 readers cannot run."""
+    qc = config.get("quantization_config")
+    if not qc:
+        raise SmeltError("config.json has no quantization_config (not a smelt release)")
+    groups = list((qc.get("config_groups") or {}).values())
+    if len(groups) != 1 or not groups[0].get("weights"):
+        raise SmeltError("quantization_config: expected one config group with weights")
+    w = groups[0]["weights"]
+    if w.get("num_bits") != 4 or not w.get("symmetric") or w.get("strategy") != "group":
+        raise SmeltError(f"quantization_config: int{w.get('num_bits')} {w.get('strategy')} "
+                         f"{'sym' if w.get('symmetric') else 'asym'}: only int4 symmetric group-wise is read here")
+    return 4, int(w["group_size"])
+
+
+def read_release_linears(rel: str | Path) -> dict[str, ReleaseLinear]:
+    """Every quantized Linear of a release (HF module names), in either 2:4 storage."""
+    rel = Path(rel)
+    _, group = quant_args(json.loads((rel / "config.json").read_text()))
+    info = sparsity_info(rel)
+    declared = info.get("modules", {})
+    by_mod: dict[str, dict[str, torch.Tensor]] = {}
+    with safe_open(str(rel / "model.safetensors"), framework="pt") as f:
+        for key in f.keys():
+            mod, _, param = key.rpartition(".")
+            if param.startswith("weight_"):
+                by_mod.setdefault(mod, {})[param] = f.get_tensor(key)
+    bits = {}
+    if declared and info["storage"] == "mask":
+        with safe_open(str(rel / info.get("file", SPARSITY_FILE)), framework="pt") as f:
+            bits = {k: f.get_tensor(k) for k in f.keys()}
+    out: dict[str, ReleaseLinear] = {}
+    for mod, t in sorted(by_mod.items()):
+        if "weight_shape" not in t or "weight_scale" not in t:
+            raise SmeltError(f"model.safetensors: {mod} lacks weight_shape/weight_scale")
+        shape = tuple(int(x) for x in t["weight_shape"].tolist())
+        lin = ReleaseLinear(mod, shape, group, t["weight_scale"])
+        d = declared.get(mod)
+        if d is not None and d.get("dense_rows"):
+            lin.dense_rows = rows_from_ranges(d["dense_rows"], shape[0])
+        if d is not None and info["storage"] == "compressed":
+            lin.kept, lin.meta = t.get("weight_kept"), t.get("weight_meta")
+            lin.dense_packed = t.get("weight_dense_packed")
+            n_dense = 0 if lin.dense_rows is None else int(lin.dense_rows.sum())
+            if lin.kept is None or lin.meta is None or (n_dense and lin.dense_packed is None):
+                raise SmeltError(f"model.safetensors: {mod} is declared 2:4-compressed but lacks weight_kept/"
+                                 "weight_meta" + ("/weight_dense_packed" if n_dense else ""))
+            want = {"weight_kept": (shape[0] - n_dense, shape[1] // 16),
+                    "weight_meta": (shape[0] - n_dense, shape[1] // 32)}
+            if n_dense:
+                want["weight_dense_packed"] = (n_dense, shape[1] // 8)
+            for k, s in want.items():
+                if tuple(t[k].shape) != s or t[k].dtype != torch.int32:
+                    raise SmeltError(f"model.safetensors: {mod}.{k} is {t[k].dtype} {list(t[k].shape)}, "
+                                     f"want int32 {list(s)}")
+        else:
+            if "weight_packed" not in t:
+                raise SmeltError(f"model.safetensors: {mod} lacks weight_packed")
+            lin.packed = t["weight_packed"]
+            if d is not None:
+                key = f"{mod}.keep_bits"
+                if key not in bits:
+                    raise SmeltError(f"{SPARSITY_FILE}: no {key} for the declared 2:4 module {mod}")
+                lin.keep = unpack_mask(bits[key], shape[1])
+        out[mod] = lin
+    missing = sorted(set(declared) - set(out))
+    if missing:
+        raise SmeltError(f"{SPARSITY_JSON} declares {missing[0]}, which has no quantized weight")
+    return out
