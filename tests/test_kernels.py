@@ -1,0 +1,175 @@
+"""The kernels' layouts (core.packing) and Triton matmuls (kernels.matmul, in the interpreter on CPU), the
+KernelLinear built from them, and a release run through the kernels against the fake-quantized model."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_qat_artifact
+
+from core.errors import SmeltError
+from core.packing import pack_24, pack_int4, unpack_24, unpack_24_positions, unpack_int4
+from core.patterns import NMPattern
+from core.release_layout import ReleaseLinear, read_release_linears
+from kernels.linear import KernelLinear
+from kernels.matmul import sparse24_matmul, sparse24_w4a16_matmul, w4a16_matmul
+from qat.quantizers import QuantSpec
+
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # relative to max |y|
+TOKENS = torch.tensor([[1, 72, 101, 108, 108, 111, 44, 32, 119, 2]])
+
+
+def _w4(n: int, k: int, g: int, gen: torch.Generator):
+    q = torch.randint(-8, 8, (n, k), generator=gen)
+    scale = torch.rand(n, k // g, generator=gen) + 0.05
+    return q, scale, q.float() * scale.repeat_interleave(g, dim=1)
+
+
+def _keep24(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    return NMPattern(2, 4).keep_top(torch.rand(n, k, generator=gen))
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert y.dtype == dtype and y.shape == ref.shape
+    err = (y.float() - ref).abs().max().item() / ref.abs().max().item()
+    assert err <= TOL[dtype], err
+
+
+def test_int4_packing_is_compressed_tensors_and_roundtrips():
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    q = torch.randint(-8, 8, (5, 48))
+    packed = pack_int4(q)
+    assert packed.dtype == torch.int32 and packed.shape == (5, 6)
+    assert torch.equal(packed, pack_to_int32(q.to(torch.int8), 4))
+    assert torch.equal(unpack_int4(packed, 48), q.to(torch.int8))
+    # input i at bits 4*(i%8), stored as q + 8; a top nibble >= 8 wraps the word negative (same bits)
+    assert pack_int4(torch.tensor([[1, -8, 0, 0, 0, 0, 0, -1]])).item() == 0x7888_8809
+    assert pack_int4(torch.tensor([[0, 0, 0, 0, 0, 0, 0, 7]])).item() == 0xF888_8888 - 2**32
+
+
+def test_24_packing_layout_and_roundtrip():
+    w = torch.zeros(1, 32)
+    w[0, [1, 3]] = torch.tensor([5.0, 6.0])  # group 0 keeps positions 1, 3
+    w[0, 6] = 7.0                           # group 1 keeps one: 2, plus the first free position 0 (value 0)
+    values, meta = pack_24(w, w != 0)
+    assert values[0, :4].tolist() == [5.0, 6.0, 0.0, 7.0]
+    assert meta.dtype == torch.int32 and meta.shape == (1, 1)
+    assert meta.item() & 0xFF == (1 | 3 << 2) | (0 | 2 << 2) << 4
+    assert torch.equal(unpack_24(values, meta, 32), w)
+    gen = torch.Generator().manual_seed(0)
+    keep = _keep24(8, 64, gen)
+    w = torch.randn(8, 64, generator=gen) * keep
+    values, meta = pack_24(w, keep)
+    assert values.shape == (8, 32) and meta.shape == (8, 2)
+    assert torch.equal(unpack_24(values, meta, 64), w)
+    q = torch.randint(-8, 8, (8, 64), generator=gen) * keep  # int codes pack the same way
+    kept, meta = pack_24(q, keep)
+    assert torch.equal(unpack_24(unpack_int4(pack_int4(kept), 32), meta, 64), q.to(torch.int8))
+
+
+def test_24_packing_refuses_what_is_not_24():
+    w = torch.zeros(1, 32)
+    w[0, :3] = 1.0
+    with pytest.raises(SmeltError, match="keeps more than 2"):
+        pack_24(w, w != 0)
+    keep = torch.zeros(1, 32, dtype=torch.bool)
+    with pytest.raises(SmeltError, match="non-zero weights where the 2:4 mask drops them"):
+        pack_24(w, keep)
+    with pytest.raises(SmeltError, match="multiple of 32"):
+        pack_24(torch.zeros(1, 16), torch.zeros(1, 16, dtype=torch.bool))
+    bad = torch.tensor([[0x3 | 0x0 << 2]], dtype=torch.int32)  # slot 0 at 3, slot 1 at 0: not increasing
+    with pytest.raises(SmeltError, match="not increasing"):
+        unpack_24_positions(bad, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k,g", [(1, 48, 128, 64), (16, 33, 96, 32), (37, 64, 576, 64)])
+def test_kernels_match_the_dequantized_reference(dtype, m, n, k, g):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    xf = x.float()
+    q, scale, w = _w4(n, k, g, gen)
+    _close(w4a16_matmul(x, pack_int4(q), scale, g), xf @ w.T, dtype)
+
+    keep = _keep24(n, k, gen)
+    dense = torch.randn(n, k, generator=gen).to(dtype) * keep
+    values, meta = pack_24(dense, keep)
+    _close(sparse24_matmul(x, values, meta), xf @ dense.float().T, dtype)
+
+    q24 = q * keep
+    kept, meta = pack_24(q24, keep)
+    w24 = q24.float() * scale.repeat_interleave(g, dim=1)
+    _close(sparse24_w4a16_matmul(x, pack_int4(kept), meta, scale, g), xf @ w24.T, dtype)
+
+
+def test_kernels_refuse_bad_input_before_launch():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 64)
+    q, scale, _ = _w4(16, 64, 32, gen)
+    packed = pack_int4(q)
+    with pytest.raises(SmeltError, match=r"packed weight must be int32 \[16, 16\].*got torch.int32 \[16, 8\]"):
+        w4a16_matmul(torch.randn(2, 128), packed, scale, 32)
+    with pytest.raises(SmeltError, match=r"scale must be float \[16, 1\]"):
+        w4a16_matmul(x, packed, scale, 64)
+    with pytest.raises(SmeltError, match="group_size 24 must divide"):
+        w4a16_matmul(x, packed, scale, 24)
+    with pytest.raises(SmeltError, match="x must be 2-D"):
+        w4a16_matmul(x.to(torch.int32), packed, scale, 32)
+    keep = _keep24(16, 64, gen)
+    values, meta = pack_24(torch.randn(16, 64) * keep, keep)
+    with pytest.raises(SmeltError, match=r"2:4 meta must be int32 \[16, 2\]"):
+        sparse24_matmul(x, values, meta.to(torch.int64))
+    with pytest.raises(SmeltError, match="weight values must be float"):
+        sparse24_matmul(x, values[:, :16], meta)
+
+
+def test_kernel_linear_runs_dense_rows_on_the_dense_path():
+    gen = torch.Generator().manual_seed(3)
+    n, k, g = 40, 64, 32
+    q, scale, _ = _w4(n, k, g, gen)
+    keep = _keep24(n, k, gen)
+    dense_rows = torch.zeros(n, dtype=torch.bool)
+    dense_rows[8:16] = True
+    keep[dense_rows] = True  # protected rows keep everything
+    q = q * keep
+    lin = ReleaseLinear("m", (n, k), g, scale, packed=pack_int4(q), keep=keep, dense_rows=dense_rows)
+    mod = KernelLinear.from_release(lin)
+    assert mod.kind == "2:4+w4" and "dense rows" in repr(mod)
+    x = torch.randn(3, 5, k, generator=gen)
+    _close(mod(x), x @ lin.weight().T, torch.float32)
+    w = torch.randn(n, k, generator=gen) * keep  # the unquantized 2:4 module: dense rows in plain torch
+    _close(KernelLinear.from_pruned(w, keep, dense_rows)(x), x @ w.T, torch.float32)
+    keep[0, :3] = True  # a row outside the declared dense rows that breaks 2:4
+    with pytest.raises(SmeltError, match="keeps more than 2"):
+        KernelLinear.from_release(ReleaseLinear("m", (n, k), g, scale, packed=pack_int4(q), keep=keep,
+                                                dense_rows=dense_rows))
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    from qat.release import build_release
+
+    root = tmp_path_factory.mktemp("kart")
+    art, ref = make_qat_artifact(root, QuantSpec(group_size=32), [("1", 2)], TOKENS)
+    return build_release(art, root / "release"), ref
+
+
+def test_release_runs_through_the_kernels_like_the_fake_quantized_model(release):
+    from kernels.release_model import dense_reference, kernel_model
+
+    rel, ref = release
+    model = kernel_model(rel)
+    kinds = {m.kind for m in model.modules() if isinstance(m, KernelLinear)}
+    assert kinds == {"2:4+w4"}  # every Linear of the tiny release is 2:4 + W4
+    assert not any(isinstance(m, torch.nn.Linear) and m is not model.output for m in model.modules())
+    with torch.no_grad():
+        got = model(TOKENS)
+        dense = dense_reference(rel)(TOKENS)
+    assert (got - ref).abs().max().item() <= 1e-4
+    assert (got - dense).abs().max().item() <= 1e-4
+    linears = read_release_linears(rel)
+    assert sum(lin.dense_rows is not None for lin in linears.values()) == 3  # q/k/v of the protected head
+    two = kernel_model(rel, layers=1)
+    assert len(two.layers) == 1
+    with pytest.raises(SmeltError, match="--layers 9"):
+        kernel_model(rel, layers=9)
