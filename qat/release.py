@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from core.artifact import read_manifest
@@ -26,14 +27,9 @@ from core.files import atomic_dir, read_safetensors, sha256_file
 from core.hf_names import to_hf_name
 from core.masks import DENSE_ROWS, MASKS_FILE
 from core.patterns import NMPattern
-from core.release_layout import (
-    RELEASE_MANIFEST,
-    SPARSITY_FILE,
-    SPARSITY_JSON,
-    SPARSITY_LAYOUT,
-    pack_mask,
-    row_ranges,
-)
+from core.packing import pack_24, pack_int4, unpack_24_positions
+from core.release_layout import (COMPRESSED_LAYOUT, RELEASE_MANIFEST, SPARSITY_FILE, SPARSITY_JSON, SPARSITY_LAYOUT,
+                                 STORAGES, pack_mask, read_release_linears, row_ranges, sparsity_info)
 from models.hf_io import load_hf, load_tokenizer, read_hf_config, read_hf_tensors
 from models.mtp import MTP_FILE, load_mtp, main_fingerprint, mtp_metadata
 from models.speculative import acceptance_probe
@@ -46,6 +42,7 @@ SPARSE_24 = NMPattern(2, 4)  # the one N:M pattern a release declares (what spar
 PASSTHROUGH = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
                "generation_config.json", "mtp.safetensors")
+SERVING_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _MAX_CHAIN = 32  # manifest parent links followed at most (guards against cycles)
 
 
@@ -164,14 +161,25 @@ def read_eval_metrics(path: str | Path, art: Path) -> dict:
 MTP_PROBE = {"buckets": ("en", "zh", "code"), "per_bucket": 2, "length": 64, "new_tokens": 32, "gamma": 1}
 
 
-def mtp_record(art: Path) -> dict | None:
+def _round_to(params, dtype: torch.dtype, keep: set[str]) -> None:
+    """Round parameters (except `keep`) to the serving dtype in place: the probe runs the shipped values."""
+    with torch.no_grad():
+        for name, p in params:
+            if name.removesuffix(".weight") not in keep and p.is_floating_point():
+                p.copy_(p.to(dtype).to(p.dtype))
+
+
+def mtp_record(art: Path, dtype: torch.dtype, quantized: set[str]) -> dict | None:
     """What the release says about its MTP modules: depth, the main model they were trained against (and
-    whether that is the released one), and their greedy acceptance on fixed prompts (the verifier re-runs it)."""
+    whether that is the released one), and their greedy acceptance on fixed prompts (the verifier re-runs
+    it), measured with the weights as shipped: `quantized` Linears exact, the rest in `dtype`."""
     meta = mtp_metadata(art)
     if meta is None:
         return None
     model = load_hf(art).eval()
     heads = load_mtp(art, model, check_fingerprint=False)
+    _round_to(model.named_parameters(), dtype, quantized)
+    _round_to(heads.named_parameters(), dtype, set())
     tokenizer = load_tokenizer(art)
     p = MTP_PROBE
     prompts = [t[0].tolist() for b in p["buckets"] for t in bucket_prompts(tokenizer, b, p["per_bucket"], p["length"])]
@@ -183,17 +191,64 @@ def mtp_record(art: Path) -> dict | None:
             "probe": {**probe, "prompts": prompts}}
 
 
+def compressed_24(name: str, q: torch.Tensor, keep: torch.Tensor, dense_rows: torch.Tensor | None,
+                  packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A 2:4 module's pack-quantized tensors -> the compressed storage (core.release_layout.COMPRESSED_LAYOUT):
+    kept codes + position metadata for the 2:4 rows, full codes for declared dense rows."""
+    dense = dense_rows if dense_rows is not None else torch.zeros(q.shape[0], dtype=torch.bool)
+    kept, meta = pack_24(q[~dense], keep[~dense], name)
+    out = {k: v for k, v in packed.items() if not k.endswith(".weight_packed")}
+    out.update({f"{name}.weight_kept": pack_int4(kept), f"{name}.weight_meta": meta})
+    if dense.any():
+        out[f"{name}.weight_dense_packed"] = pack_int4(q[dense])
+    return out
+
+
+def _write_sparsity(tmp: Path, modules: dict[str, tuple], storage: str) -> None:
+    """sparsity.json (+ sparsity.safetensors keep-bits in the mask storage); modules: name -> (shape,
+    density, dense_rows or None, keep-mask)."""
+    if storage == "mask":
+        save_file({f"{k}.keep_bits": pack_mask(m[3]) for k, m in modules.items()}, str(tmp / SPARSITY_FILE),
+                  metadata={"format": "smelt-sparsity/1"})
+    (tmp / SPARSITY_JSON).write_text(json.dumps({
+        "format": "smelt-sparsity/1", "pattern": str(SPARSE_24), "storage": storage,
+        "file": SPARSITY_FILE if storage == "mask" else None,
+        "layout": SPARSITY_LAYOUT if storage == "mask" else COMPRESSED_LAYOUT,
+        "modules": {k: {"shape": shape, "density": density,
+                        **({"dense_rows": row_ranges(rows)} if rows is not None else {})}
+                    for k, (shape, density, rows, _) in sorted(modules.items())}}, indent=2) + "\n")
+
+
+def _cast_safetensors(path: Path, dtype: torch.dtype) -> None:
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a dict
+    if all(v.dtype == dtype for v in tensors.values() if v.is_floating_point()):
+        return  # already in it: the file stays byte for byte as trained
+    save_file({k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}, str(path), metadata=meta)
+
+
 def build_release(artifact_dir: str | Path, out_dir: str | Path, overwrite: bool = False,
-                  metrics_file: str | Path | None = None) -> Path:
+                  metrics_file: str | Path | None = None, dtype: str = "bfloat16",
+                  sparse_storage: str = "mask") -> Path:
+    """`dtype`: what the tensors that are not quantized (embeddings, norms, an untied head, Linears left
+    dense, MTP modules) are shipped in; `sparse_storage`: how 2:4 modules are stored (STORAGES)."""
     art, out = Path(artifact_dir), Path(out_dir)
     if not art.is_dir():
         raise SmeltError(f"artifact directory {art} does not exist")
+    if dtype not in SERVING_DTYPES:
+        raise SmeltError(f"dtype {dtype!r} is not one of {', '.join(SERVING_DTYPES)}")
+    if sparse_storage not in STORAGES:
+        raise SmeltError(f"sparse_storage {sparse_storage!r} is not one of {', '.join(STORAGES)}")
+    serve = SERVING_DTYPES[dtype]
     manifest = read_manifest(art)
     chain = stage_chain(manifest)
     metrics = dict(manifest.get("metrics") or {})
     if metrics_file is not None:
         metrics["eval"] = read_eval_metrics(metrics_file, art)
     qparams, spec = read_qparams(art)  # SmeltError if not quantized or bits not in (4, 8)
+    if sparse_storage == "compressed" and spec.bits != 4:
+        raise SmeltError(f"sparse_storage compressed packs int4 codes; this artifact is int{spec.bits}")
     if not spec.symmetric:
         # compressed-tensors 0.20 packs asymmetric zero points, but its own load path (transformers)
         # expects them unpacked and fails: such a release would not load anywhere we can test.
@@ -234,34 +289,37 @@ def build_release(artifact_dir: str | Path, out_dir: str | Path, overwrite: bool
         if w is None:
             raise SmeltError(f"{QPARAMS_FILE} has scales for {name}, model.safetensors has no {name}.weight")
         q = integer_codes(name, w, scale, spec)
-        tensors.update(compress_module(name, q, scale, spec, scheme))
-    tensors.update(state)  # embeddings, norms, untied lm_head: as they are
+        packed = compress_module(name, q, scale, spec, scheme)
+        if sparse_storage == "compressed" and name in sparse:
+            packed = compressed_24(name, q, sparse[name], dense_rows.get(name), packed)
+        tensors.update(packed)
+    # embeddings, norms, an untied lm_head, Linears left dense: in the serving dtype
+    tensors.update({k: v.to(serve) if v.is_floating_point() else v for k, v in state.items()})
     # Every Linear left dense must be ignored, else loaders expect packed weights for it.
     dense = sorted(k.removesuffix(".weight") for k, v in state.items()
                    if v.ndim == 2 and k.endswith("_proj.weight"))
     ignore = ([] if "output" in qparams else ["lm_head"]) + dense
 
     config["quantization_config"] = ct_quantization_config(spec, ignore)
+    config["torch_dtype"] = dtype
     settings = {"quantization": {**spec_to_dict(spec), "format": COMPRESSION_FORMAT, "ignore": ignore,
                                  "modules": len(qparams)},
-                "sparsity": {"pattern": str(SPARSE_24), "modules": len(sparse),
+                "dtype": dtype,
+                "sparsity": {"pattern": str(SPARSE_24), "modules": len(sparse), "storage": sparse_storage,
                              "undeclared_masks": sorted(set(masks) - set(sparse))} if masks else None,
-                "source": str(art.resolve()), "mtp": mtp_record(art)}
+                "source": str(art.resolve()),
+                "mtp": mtp_record(art, serve, set(qparams))}
     with atomic_dir(out, overwrite=overwrite) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if sparse:
-            save_file({f"{k}.keep_bits": pack_mask(m) for k, m in sparse.items()}, str(tmp / SPARSITY_FILE),
-                      metadata={"format": "smelt-sparsity/1"})
-            (tmp / SPARSITY_JSON).write_text(json.dumps({
-                "format": "smelt-sparsity/1", "pattern": str(SPARSE_24), "file": SPARSITY_FILE,
-                "layout": SPARSITY_LAYOUT,
-                "modules": {k: {"shape": list(m.shape), "density": round(m.float().mean().item(), 6),
-                                **({"dense_rows": row_ranges(dense_rows[k])} if k in dense_rows else {})}
-                            for k, m in sorted(sparse.items())}}, indent=2) + "\n")
+            _write_sparsity(tmp, {k: (list(m.shape), round(m.float().mean().item(), 6), dense_rows.get(k), m)
+                                  for k, m in sparse.items()}, sparse_storage)
         for f in PASSTHROUGH:
             if (art / f).is_file():
                 shutil.copy2(art / f, tmp / f)
+        if (tmp / MTP_FILE).is_file():  # non-quantized weights: the serving dtype too
+            _cast_safetensors(tmp / MTP_FILE, serve)
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         (tmp / RELEASE_MANIFEST).write_text(json.dumps({
             "format": "smelt-release/1", "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -270,14 +328,64 @@ def build_release(artifact_dir: str | Path, out_dir: str | Path, overwrite: bool
     return out
 
 
+def expand_release(rel_dir: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
+    """A release in the compressed 2:4 storage -> the same release in the mask storage (pack-quantized
+    weight_packed of every row + keep-bits), which transformers and vLLM load. The weights are identical."""
+    rel, out = Path(rel_dir), Path(out_dir)
+    info = sparsity_info(rel) if rel.is_dir() else {}
+    if info.get("storage") != "compressed":
+        raise SmeltError(f"{rel} is not a release in the compressed 2:4 storage (nothing to expand)")
+    linears = read_release_linears(rel)
+    modules = {}
+    with safe_open(str(rel / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a dict
+    for name, lin in linears.items():
+        if lin.meta is None:
+            continue
+        out_f, in_f = lin.shape
+        sparse_idx, dense_idx = lin.rows()
+        keep = torch.zeros(out_f, in_f // 4, 4, dtype=torch.bool)
+        keep[sparse_idx] = keep[sparse_idx].scatter(-1, unpack_24_positions(lin.meta, in_f), True)
+        keep = keep.reshape(out_f, in_f)
+        keep[dense_idx] = True
+        for k in ("weight_kept", "weight_meta", "weight_dense_packed"):
+            tensors.pop(f"{name}.{k}", None)
+        tensors[f"{name}.weight_packed"] = pack_int4(lin.codes())
+        modules[name] = (list(lin.shape), info["modules"][name]["density"], lin.dense_rows, keep)
+    manifest = json.loads((rel / RELEASE_MANIFEST).read_text())
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        _write_sparsity(tmp, modules, "mask")
+        for p in rel.iterdir():
+            if p.is_file() and p.name not in ("model.safetensors", SPARSITY_JSON, SPARSITY_FILE, RELEASE_MANIFEST):
+                shutil.copy2(p, tmp / p.name)
+        manifest["settings"]["sparsity"]["storage"] = "mask"
+        manifest["expanded_from"] = {"path": str(rel.resolve()), "files": manifest["files"]}
+        manifest["files"] = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        (tmp / RELEASE_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = ArgumentParser(prog="python -m qat.release", description="Export a quantized artifact as a compressed-tensors release.")
-    ap.add_argument("--artifact", required=True, help="quantized artifact (with qparams.safetensors)")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--artifact", help="quantized artifact (with qparams.safetensors)")
+    src.add_argument("--expand", metavar="RELEASE", help="rewrite a release in the compressed 2:4 storage into "
+                     "the mask storage that transformers and vLLM load")
     ap.add_argument("--out", required=True, help="release directory to write")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing release directory")
     ap.add_argument("--metrics", help="an `eval.evaluate --out` JSON of this artifact, kept in the manifest")
+    ap.add_argument("--dtype", choices=sorted(SERVING_DTYPES), default="bfloat16",
+                    help="dtype of the tensors that are not quantized (embeddings, norms, MTP modules)")
+    ap.add_argument("--sparse-storage", choices=STORAGES, default="mask",
+                    help="2:4 modules as full pack-quantized rows + keep-bits (mask: loads in transformers/vLLM) "
+                         "or as kept codes + position metadata (compressed: the kernels' layout, smaller)")
     args = ap.parse_args(argv)
-    out = build_release(args.artifact, args.out, overwrite=args.overwrite, metrics_file=args.metrics)
+    if args.expand:
+        out = expand_release(args.expand, args.out, overwrite=args.overwrite)
+    else:
+        out = build_release(args.artifact, args.out, overwrite=args.overwrite, metrics_file=args.metrics,
+                            dtype=args.dtype, sparse_storage=args.sparse_storage)
     print(f"release written to {out} (check it with: python -m qat.verify {out})")
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 from pathlib import Path
 
 import torch
@@ -22,12 +23,14 @@ from safetensors.torch import load_file
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import sha256_file
 from core.hf_names import from_hf_name
-from core.release_layout import RELEASE_MANIFEST, SPARSITY_JSON, rows_from_ranges, unpack_mask
+from core.packing import unpack_24_positions
+from core.release_layout import (RELEASE_MANIFEST, SPARSITY_JSON, read_release_linears, rows_from_ranges,
+                                 sparsity_info, unpack_mask)
 from models.hf_io import config_from_hf
 from models.llama import Transformer
 from models.mtp import MTP_FILE, load_mtp
 from models.speculative import acceptance_probe
-from qat.release import COMPRESSION_FORMAT, SPARSE_24
+from qat.release import COMPRESSION_FORMAT, SPARSE_24, expand_release
 
 MTP_TOLERANCE = 0.05  # greedy acceptance is deterministic up to floating-point ties across machines
 
@@ -119,7 +122,16 @@ def _check_packing(rel: Path, scheme, r: Report) -> tuple[dict[str, dict[str, to
             if param.startswith("weight_"):
                 mods.setdefault(mod, {})[param] = f.get_tensor(key)
     bad = set()
+    info = sparsity_info(rel)
+    compressed = info["modules"] if info.get("storage") == "compressed" else {}
     for mod, t in sorted(mods.items()):
+        if mod in compressed:  # kept codes + metadata (core.release_layout.COMPRESSED_LAYOUT)
+            try:
+                _check_compressed(mod, t, compressed[mod], w)
+            except SmeltError as e:
+                r.fail(str(e))
+                bad.add(mod)
+            continue
         if not {"weight_packed", "weight_scale", "weight_shape"} <= set(t):
             r.fail(f"{mod}: needs weight_packed, weight_scale and weight_shape, has {sorted(t)}")
             bad.add(mod)
@@ -148,6 +160,26 @@ def _check_packing(rel: Path, scheme, r: Report) -> tuple[dict[str, dict[str, to
     return mods, bad
 
 
+def _check_compressed(mod: str, t: dict[str, torch.Tensor], info: dict, w) -> None:
+    """Shapes and metadata of one module in the compressed 2:4 storage; SmeltError naming what is wrong."""
+    if w.num_bits != 4 or not {"weight_kept", "weight_meta", "weight_scale", "weight_shape"} <= set(t):
+        raise SmeltError(f"{mod}: the compressed 2:4 storage needs int4 weight_kept, weight_meta, weight_scale and "
+                         f"weight_shape, has {sorted(t)}")
+    out, inn = (int(x) for x in t["weight_shape"].tolist())
+    n_dense = int(rows_from_ranges(info.get("dense_rows", []), out).sum())
+    want = {"weight_kept": (out - n_dense, inn // 16), "weight_meta": (out - n_dense, inn // 32),
+            "weight_scale": (out, inn // w.group_size)}
+    if n_dense:
+        want["weight_dense_packed"] = (n_dense, inn // 8)
+    for k, shape in want.items():
+        if k not in t or tuple(t[k].shape) != shape:
+            raise SmeltError(f"{mod}: {k} is {None if k not in t else list(t[k].shape)}, want {list(shape)}")
+    scale = t["weight_scale"]
+    if not (torch.isfinite(scale).all() and (scale > 0).all()):
+        raise SmeltError(f"{mod}: {int((~torch.isfinite(scale) | (scale <= 0)).sum())} scales are non-finite or <= 0")
+    unpack_24_positions(t["weight_meta"], inn)  # dtype, shape and increasing positions
+
+
 def _check_sparsity(rel: Path, scheme, mods: dict, bad_mods: set[str], r: Report) -> None:
     from compressed_tensors.compressors import PackedQuantizationCompressor  # heavy: see _scheme
 
@@ -155,7 +187,10 @@ def _check_sparsity(rel: Path, scheme, mods: dict, bad_mods: set[str], r: Report
     if not p.is_file():
         r.ok("sparsity: none declared")
         return
-    meta = json.loads(p.read_text())
+    meta = sparsity_info(rel)
+    if meta["storage"] == "compressed":
+        _check_compressed_sparsity(rel, meta, bad_mods, r)
+        return
     bits = load_file(str(rel / meta["file"]))
     n_bad, skipped = 0, 0
     for mod, info in sorted(meta["modules"].items()):
@@ -195,10 +230,41 @@ def _check_sparsity(rel: Path, scheme, mods: dict, bad_mods: set[str], r: Report
              "and masks")
 
 
+def _check_compressed_sparsity(rel: Path, meta: dict, bad_mods: set[str], r: Report) -> None:
+    """The compressed storage holds 2:4 by construction; decompress anyway and count, as loaders would see it."""
+    try:
+        linears = read_release_linears(rel)
+    except SmeltError as e:
+        r.fail(f"reading the compressed 2:4 modules: {e}")
+        return
+    n_bad = 0
+    for mod, info in sorted(meta["modules"].items()):
+        if mod in bad_mods:
+            continue
+        q = linears[mod].codes()
+        dense = rows_from_ranges(info.get("dense_rows", []), q.shape[0])
+        over = int(((q[~dense] != 0).reshape(-1, 4).sum(-1) > 2).sum())
+        if over:
+            r.fail(f"{mod}: {over} groups of 4 have more than 2 non-zero weights (declared 2:4)")
+            n_bad += 1
+    if not n_bad:
+        r.ok(f"sparsity: {len(meta['modules']) - len(bad_mods & set(meta['modules']))} modules in the compressed "
+             "2:4 storage decompress to 2:4")
+
+
 def _check_load(rel: Path, r: Report, n_tokens: int = 8):
     """transformers loads the release and gives finite logits; returns the loaded model (None on failure)."""
     from transformers import AutoModelForCausalLM  # heavy: only the load check
 
+    if sparsity_info(rel).get("storage") == "compressed":  # loaders read it through the documented converter
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                expanded = expand_release(rel, Path(tmp) / "expanded")
+            except Exception as e:  # noqa: BLE001 - a failed conversion is a failed check
+                r.fail(f"qat.release --expand failed: {_first_line(e)}")
+                return None
+            r.ok("qat.release --expand converts the compressed 2:4 storage for transformers")
+            return _check_load(expanded, r, n_tokens)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(rel), dtype=torch.float32)
         model.eval()

@@ -2,6 +2,8 @@
 KernelLinear built from them, and a release run through the kernels against the fake-quantized model."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import make_qat_artifact
@@ -151,7 +153,7 @@ def release(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("kart")
     art, ref = make_qat_artifact(root, QuantSpec(group_size=32), [("1", 2)], TOKENS)
-    return build_release(art, root / "release"), ref
+    return build_release(art, root / "release", dtype="float32"), ref
 
 
 def test_release_runs_through_the_kernels_like_the_fake_quantized_model(release):
@@ -173,3 +175,49 @@ def test_release_runs_through_the_kernels_like_the_fake_quantized_model(release)
     assert len(two.layers) == 1
     with pytest.raises(SmeltError, match="--layers 9"):
         kernel_model(rel, layers=9)
+
+
+def test_compressed_storage_is_smaller_verifies_runs_and_expands_to_the_same_weights(release, tmp_path, capsys):
+    from kernels.release_model import kernel_model
+    from qat.release import build_release, expand_release
+    from qat.verify import verify_release
+
+    rel, ref = release
+    art = rel.parent / "qat"
+    comp = build_release(art, tmp_path / "comp", dtype="float32", sparse_storage="compressed")
+    assert not (comp / "sparsity.safetensors").exists()
+    size = lambda d: sum(p.stat().st_size for p in d.iterdir())  # noqa: E731
+    assert size(comp) < size(rel)
+    report = verify_release(comp)
+    assert not report.failures, report.lines
+    assert any("--expand converts" in line for line in report.lines)
+    with torch.no_grad():
+        assert (kernel_model(comp)(TOKENS) - ref).abs().max().item() <= 1e-4
+    mask_lin, comp_lin = read_release_linears(rel), read_release_linears(comp)
+    for name, lin in mask_lin.items():
+        assert torch.equal(comp_lin[name].codes(), lin.codes()), name
+    back = expand_release(comp, tmp_path / "back")
+    assert not verify_release(back).failures
+    for name, lin in read_release_linears(back).items():
+        assert torch.equal(lin.packed, mask_lin[name].packed), name
+    with pytest.raises(SmeltError, match="not a release in the compressed 2:4 storage"):
+        expand_release(rel, tmp_path / "again")
+
+
+def test_release_ships_unquantized_tensors_in_the_serving_dtype(release, tmp_path):
+    from safetensors import safe_open
+
+    from qat.release import build_release
+    from qat.verify import verify_release
+
+    rel, _ = release
+    bf = build_release(rel.parent / "qat", tmp_path / "bf16")  # the default
+    with safe_open(str(bf / "model.safetensors"), framework="pt") as f:
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+        assert f.get_tensor("model.norm.weight").dtype == torch.bfloat16
+    with safe_open(str(bf / "mtp.safetensors"), framework="pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}  # noqa: SIM118
+    assert json.loads((bf / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert (bf / "model.safetensors").stat().st_size < (rel / "model.safetensors").stat().st_size
+    report = verify_release(bf)  # incl. the MTP acceptance, recorded with the shipped bf16 values
+    assert not report.failures, report.lines

@@ -35,7 +35,8 @@ def artifact(tmp_path_factory) -> tuple[Path, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def release(artifact, tmp_path_factory) -> Path:
-    return build_release(artifact[0], tmp_path_factory.mktemp("rel") / "release")
+    # fp32 non-quantized tensors: logits comparable to the fake-quantized model's at fp32 precision
+    return build_release(artifact[0], tmp_path_factory.mktemp("rel") / "release", dtype="float32")
 
 
 def _copy(src: Path, tmp_path: Path) -> Path:
