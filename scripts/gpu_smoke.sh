@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU path in a few minutes on one GPU: NCCL process group, SmolLM2 recovery in bf16 (fp32 masters and
-# reductions), a checkpoint, a resume, tokens/s and peak memory. Never needed by the tests.
+# reductions), a checkpoint, a resume, tokens/s and peak memory; then a 2:4 + W4 release run through the
+# Triton kernels in bf16 (kernels.check) and the kernels' speed (kernels.bench). Never needed by the tests.
 #
 #   scripts/gpu_smoke.sh [OUT_DIR]     # default results/bench/gpu-smoke; commit OUT_DIR/summary.txt with the GPU named
 #
@@ -36,3 +37,9 @@ stage 20 "$out/part2.log"
   grep -h "loaded: peak RSS" "$out/part1.log" | tail -n 1
   grep -h "step: 20" "$out/part2.log" | tail -n 1
 } | tee -a "$out/summary.txt"
+
+echo "== kernels: a 2:4 + W4 release (RTN on the 2:4 student) through the Triton kernels in bf16, then their speed"
+$py -m qat.ptq --artifact "$run/pruned" --method rtn --group-size 64 --out "$run/rtn" >"$out/ptq.log" 2>&1
+$py -m qat.release --artifact "$run/rtn" --out "$run/release" --sparse-storage compressed >"$out/release.log" 2>&1
+$py -m kernels.check "$run/release" --dtype bfloat16 --device cuda --out "$out/kernels-check.json" | tee -a "$out/summary.txt"
+$py -m kernels.bench --out "$out/kernels-bench.json" | tee "$out/kernels-bench.txt"

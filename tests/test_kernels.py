@@ -221,3 +221,20 @@ def test_release_ships_unquantized_tensors_in_the_serving_dtype(release, tmp_pat
     assert (bf / "model.safetensors").stat().st_size < (rel / "model.safetensors").stat().st_size
     report = verify_release(bf)  # incl. the MTP acceptance, recorded with the shipped bf16 values
     assert not report.failures, report.lines
+
+
+def test_check_command_passes_on_a_release_and_bench_needs_a_gpu(release, tmp_path, capsys):
+    from core.errors import run_cli
+    from kernels import bench, check
+
+    rel, _ = release
+    with pytest.raises(SystemExit) as e:
+        run_cli(lambda: check.main([str(rel), "--tokens", "16", "--out", str(tmp_path / "c.json")]))
+    assert e.value.code == 0
+    res = json.loads((tmp_path / "c.json").read_text())
+    assert res["passed"] and res["top1_agree"] == 1.0 and res["kernel_linears"] == {"2:4+w4": 14}
+    assert "PASSED" in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as e:
+            run_cli(lambda: bench.main([]))
+        assert e.value.code != 0 and "needs a CUDA GPU" in capsys.readouterr().err
