@@ -1,6 +1,7 @@
-"""Run a release through the kernels and compare its logits with the decompressed model's.
+"""Run a release (or a 2:4-pruned artifact) through the kernels and compare its logits with the
+decompressed model's.
 
-    python -m kernels.check RELEASE [--layers N] [--tokens 64] [--dtype float32] [--out check.json]
+    python -m kernels.check RELEASE_OR_ARTIFACT [--layers N] [--tokens 64] [--dtype float32] [--out check.json]
 
 The reference is the dense model with each Linear's decompressed weight (codes * scales: what QAT trained
 and transformers loads), in fp32 on the same device; the kernel model runs in --dtype. `--layers N` runs
@@ -19,7 +20,7 @@ from core.data import bucket_prompts
 from core.errors import ArgumentParser, run_cli
 from core.files import atomic_write_text
 from kernels.linear import KernelLinear
-from kernels.release_model import dense_reference, kernel_model
+from kernels.release_model import dense_reference, is_release, kernel_model, pruned_model
 from models.hf_io import load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,8 +31,12 @@ TOLERANCE = {"float32": (1e-6, 1.0), "float16": (1e-3, 0.98), "bfloat16": (5e-3,
 def compare(rel: str | Path, layers: int | None, tokens: int, dtype: str, device: str) -> dict:
     rel = Path(rel)
     ids = bucket_prompts(load_tokenizer(rel), "en", 1, tokens)[0].to(device)
-    kern = kernel_model(rel, layers, DTYPES[dtype]).to(device)
-    ref = dense_reference(rel, layers, torch.float32).to(device)
+    if is_release(rel):
+        kern = kernel_model(rel, layers, DTYPES[dtype]).to(device)
+        ref = dense_reference(rel, layers, torch.float32).to(device)
+    else:  # a 2:4-pruned artifact: the 2:4 kernel on its bf16/fp32 values
+        kern = pruned_model(rel, layers, DTYPES[dtype]).to(device)
+        ref = pruned_model(rel, layers, torch.float32, kernels=False).to(device)
     kern.init_rope(device)
     ref.init_rope(device)
     kinds: dict[str, int] = {}

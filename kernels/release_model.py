@@ -80,20 +80,33 @@ def dense_reference(rel: str | Path, layers: int | None = None, dtype: torch.dty
     return _load_release(Path(rel), layers, dtype, kernels=False)
 
 
-def pruned_kernel_model(art: str | Path, dtype: torch.dtype = torch.float32) -> Transformer:
-    """A 2:4-pruned artifact (masks.safetensors) with its 2:4 Linears on the sparse kernel."""
+def pruned_model(art: str | Path, layers: int | None = None, dtype: torch.dtype = torch.float32,
+                 kernels: bool = True) -> Transformer:
+    """A 2:4-pruned artifact (masks.safetensors), its 2:4 Linears on the sparse kernel (kernels=False: the
+    plain model, the reference); the first `layers` blocks only if given."""
     model = load_hf(art, dtype=dtype).eval()
+    if layers is not None:
+        if not 1 <= layers <= len(model.layers):
+            raise SmeltError(f"--layers {layers} must be in [1, {len(model.layers)}]")
+        for key in list(model.layers)[layers:]:
+            del model.layers[key]
     masks, dense = load_masks(art), load_dense_rows(art)
     if not masks:
         raise SmeltError(f"{art} has no masks.safetensors (not a pruned artifact)")
     n = 0
     for name, keep in masks.items():
         rows = dense.get(name)
-        if not NMPattern(2, 4).holds(keep, rows):
+        if not NMPattern(2, 4).holds(keep, rows) or name.split(".")[1] not in model.layers:
             continue  # unstructured masks stay dense: the kernels run 2:4 only
-        w = model.get_submodule(name).weight.detach()
-        _set_module(model, name, KernelLinear.from_pruned(w, keep, rows, name))
+        if kernels:
+            w = model.get_submodule(name).weight.detach()
+            _set_module(model, name, KernelLinear.from_pruned(w, keep, rows, name))
         n += 1
     if not n:
         raise SmeltError(f"{art}: no mask is 2:4, nothing runs on the 2:4 kernel")
     return model
+
+
+def is_release(path: str | Path) -> bool:
+    p = Path(path) / "config.json"
+    return p.is_file() and "quantization_config" in json.loads(p.read_text())

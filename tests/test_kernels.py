@@ -234,6 +234,11 @@ def test_check_command_passes_on_a_release_and_bench_needs_a_gpu(release, tmp_pa
     res = json.loads((tmp_path / "c.json").read_text())
     assert res["passed"] and res["top1_agree"] == 1.0 and res["kernel_linears"] == {"2:4+w4": 14}
     assert "PASSED" in capsys.readouterr().out
+    art = rel.parent / "qat"  # its masks are 2:4: as a pruned artifact, the 2:4 kernel runs its values
+    with pytest.raises(SystemExit) as e:
+        run_cli(lambda: check.main([str(art), "--tokens", "16", "--layers", "1", "--out", str(tmp_path / "p.json")]))
+    res = json.loads((tmp_path / "p.json").read_text())
+    assert e.value.code == 0 and res["kernel_linears"] == {"2:4": 7} and res["layers"] == 1
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit) as e:
             run_cli(lambda: bench.main([]))
