@@ -93,10 +93,13 @@ def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
                  *_opt("--group-size", st.group_size), *_opt("--calib-windows", st.calib_windows),
                  *_opt("--calib-seq-len", st.calib_seq_len), *_opt("--calib-corpus", calib), "--out", st.dst]]
     if st.kind == "release":
-        return [[PY, "-m", "qat.release", "--artifact", st.src, "--out", st.dst,
+        return [[PY, "-m", "qat.release", "--artifact", st.src, "--out", st.dst, "--dtype", st.dtype,
+                 "--sparse-storage", st.sparse_storage,
                  *(["--metrics", recipe.evals(metrics_source(recipe, st))] if st.metrics else [])]]
     if st.kind == "verify":
-        return [[PY, "-m", "qat.verify", st.src]]
+        check = [[PY, "-m", "kernels.check", st.src, "--layers", str(st.kernel_layers), "--out",
+                  recipe.evals(f"{st.name}-kernels")]] if st.kernel_layers else []
+        return [[PY, "-m", "qat.verify", st.src], *check]
     if st.kind == "report":
         return [[PY, "-m", "eval.report", "--run", recipe.run_dir]]
     return [eval_command(recipe, None if st.src == t else st.src, st.dst, st.needle)]  # evaluate

@@ -106,10 +106,13 @@ class ReleaseStage(Stage):          # qat.release
     input: str = ""
     out: str = ""
     metrics: bool = True            # keep the input's evaluation (evals/<input>.json) in the manifest
+    dtype: str = "bfloat16"         # what the tensors that are not quantized ship in
+    sparse_storage: str = "mask"    # 2:4 modules: "mask" (transformers/vLLM load it) or "compressed" (kernels' layout)
 
 
 @dataclass
 class InputStage(Stage):            # verify (qat.verify of a release), evaluate (into evals/<name>.json)
+    kernel_layers: int = 0          # verify: also run the release's first N blocks through the Triton kernels
     input: str = ""
 
 
@@ -302,6 +305,12 @@ def check(recipe: Recipe, registry: dict) -> None:
             NMPattern.parse(st.pattern, f"{where}.pattern")
         if isinstance(st, (PruneStage, PtqStage)) and st.calib_windows is not None and st.calib_windows < 1:
             raise SmeltError(f"{where}.calib_windows={st.calib_windows} must be >= 1")
+        if isinstance(st, ReleaseStage) and st.dtype not in ("bfloat16", "float16", "float32"):
+            raise SmeltError(f"{where}.dtype {st.dtype!r} is not one of bfloat16, float16, float32")
+        if isinstance(st, ReleaseStage) and st.sparse_storage not in ("mask", "compressed"):
+            raise SmeltError(f"{where}.sparse_storage {st.sparse_storage!r} is not one of mask, compressed")
+        if isinstance(st, InputStage) and (st.kernel_layers < 0 or (st.kernel_layers and st.kind != "verify")):
+            raise SmeltError(f"{where}.kernel_layers={st.kernel_layers}: a verify stage's block count (>= 0)")
         if st.kind == "verify":
             st.src = _input(st, where, outputs, last["release"], ("release",))
         elif st.kind == "evaluate":

@@ -82,9 +82,10 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
                      f"--group-size 64 --calib-windows 128 --calib-corpus {MIX} --out {run}/gptq-2of4")],
         "qat": [(f"{launch} --config smollm2_qat --student {run}/gptq-2of4 {t} --dump_folder "
                 f"{run}/qat-2of4-run --export_dir {run}/qat-2of4 --training.steps 100")],
-        "release": [(f"python -m qat.release --artifact {run}/qat-2of4 --out {run}/release "
-                    f"--metrics {run}/evals/qat-2of4.json")],
-        "verify": [f"python -m qat.verify {run}/release"],
+        "release": [(f"python -m qat.release --artifact {run}/qat-2of4 --out {run}/release --dtype bfloat16 "
+                    f"--sparse-storage mask --metrics {run}/evals/qat-2of4.json")],
+        "verify": [f"python -m qat.verify {run}/release",
+                   f"python -m kernels.check {run}/release --layers 2 --out {run}/evals/verify-kernels.json"],
         "report": [f"python -m eval.report --run {run}"],
     }
     stages = {s["name"]: s for s in plan["stages"]}
@@ -143,7 +144,8 @@ def test_debug_plan_reads_the_teacher_dir_and_counts_parameters_exactly(capsys, 
     assert stages["quantize"]["input"].endswith("mtp-2of4")
     # the release packs the re-aligned artifact and keeps the evaluation of the QAT'd main model under it
     assert stages["release"]["commands"][0].endswith(
-        f"--artifact {tmp_path}/run/qat-2of4-mtp --out {tmp_path}/run/release --metrics {tmp_path}/run/evals/qat-2of4.json")
+        f"--artifact {tmp_path}/run/qat-2of4-mtp --out {tmp_path}/run/release --dtype bfloat16 --sparse-storage mask "
+        f"--metrics {tmp_path}/run/evals/qat-2of4.json")
     assert not (tmp_path / "run").exists()
 
 
@@ -178,6 +180,9 @@ BAD = [
     (["--set", "stages.prune.protect=recover"], "stages[2].protect 'recover' is neither an earlier heads stage"),
     (["--set", "stages.report.needle=true"], "stages[8].needle: a report stage is not evaluated"),
     (["--json", "x.json"], "--json needs --dry-run"),
+    (["--set", "stages.release.dtype=int8"], "stages[6].dtype 'int8' is not one of"),
+    (["--set", "stages.release.sparse_storage=csr"], "stages[6].sparse_storage 'csr' is not one of"),
+    (["--set", "stages.verify.kernel_layers=-1"], "stages[7].kernel_layers=-1"),
 ]
 
 
