@@ -10,13 +10,19 @@ each linear, sums over its calibration inputs X [tokens, in]:
 Memory: one block's inputs (n_windows × seq_len × dim), one batch's activations and one block's
 statistics at a time; the whole model's activations are never held.
 
-Precision: H and sq_norm are accumulated in float64 on CPU (fp64 matmul costs ~2x fp32 there, and
-XᵀX of real activations spans many orders of magnitude, so the later Cholesky and the rank test for
-"singular without dampening" need the extra digits); float32 on accelerators, where fp64 is slow.
+Precision (CalibConfig, measured in the README's time/quality table):
+- `hessian`: "float64" forms every batch's XᵀX in fp64 (the reference; fp64 matmul costs ~2.5x fp32 on
+  CPU); "float32" forms each batch's XᵀX with an fp32 matmul and sums the batches in fp64, so rounding does
+  not grow with the token count; H is then handed out as fp32, so the rank test for "singular without
+  dampening" (core.obs) judges it by fp32's epsilon, the precision its products had.
+- `forward`: the dtype of the block forward passes. "bfloat16" runs a bf16 copy of each block (AMX /
+  avx512-bf16 on CPU, tensor cores on GPU); the statistics still come out in the wide type above, and the
+  algorithms still modify the fp32 block. "auto" is bf16 where the hardware has it, else fp32.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
@@ -39,6 +45,8 @@ class CalibConfig:
     corpus: str = "wikitext2-valid"  # a '+'-joined mix (windows split evenly), a local path or hf:<dataset>
     batch_size: int = 8
     sequential: bool = True  # next block's inputs come from the modified block (SparseGPT, Wanda)
+    forward: str = "float32"  # block forward dtype: float32, bfloat16, or auto (bf16 where the hardware has it)
+    hessian: str = "float64"  # XᵀX per batch in float64, or float32 summed over batches in float64
 
     def __post_init__(self):
         for name, lo in (("n_windows", 1), ("seq_len", 2), ("seed", 0), ("batch_size", 1)):
@@ -54,15 +62,50 @@ class CalibConfig:
             CalibrationSourceConfig(source=self.corpus)  # a path or hub dataset: checked the same way
         if not isinstance(self.sequential, bool):
             raise SmeltError(f"calibration sequential={self.sequential!r} must be true or false")
+        if self.forward not in FORWARD_DTYPES:
+            raise SmeltError(f"calibration forward={self.forward!r} is not one of {', '.join(FORWARD_DTYPES)}")
+        if self.hessian not in HESSIAN_DTYPES:
+            raise SmeltError(f"calibration hessian={self.hessian!r} is not one of {', '.join(HESSIAN_DTYPES)}")
+
+    def forward_dtype(self, device: torch.device) -> torch.dtype:
+        """The block forward dtype on `device` ("auto" resolved; bf16 refused where it cannot run fast)."""
+        if self.forward == "float32":
+            return torch.float32
+        fast = bf16_is_fast(device)
+        if self.forward == "auto":
+            return torch.bfloat16 if fast else torch.float32
+        if not fast:
+            raise SmeltError(f"calibration forward=bfloat16: {device.type} has no bf16 matmul units "
+                             "(AMX / avx512-bf16 or a CUDA GPU); use float32 or auto")
+        return torch.bfloat16
 
     def windows(self, tokenizer) -> torch.Tensor:
         """[n_windows, seq_len] token windows (BOS first) from the configured corpus."""
         return calibration_windows(tokenizer, self.n_windows, self.seq_len, self.seed, self.corpus)
 
-    def record(self) -> dict:
-        """What a manifest records: these settings plus the corpus's source and text hash."""
-        return {**asdict(self), "corpus_record": corpus_record(self.corpus) if is_corpus_mix(self.corpus)
+    def record(self, device: torch.device | str = "cpu") -> dict:
+        """What a manifest records: these settings (the forward dtype resolved on `device`) plus the corpus's
+        source and text hash."""
+        return {**asdict(self), "forward_dtype": str(self.forward_dtype(torch.device(device))).removeprefix("torch."),
+                "corpus_record": corpus_record(self.corpus) if is_corpus_mix(self.corpus)
                 else source_record(CalibrationSourceConfig(source=self.corpus))}
+
+
+FORWARD_DTYPES = ("float32", "bfloat16", "auto")
+HESSIAN_DTYPES = ("float64", "float32")
+
+
+def bf16_is_fast(device: torch.device) -> bool:
+    """bf16 matmuls run on dedicated units: a CUDA GPU (Ampere+), or a CPU with AMX / avx512-bf16."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    try:
+        flags = open("/proc/cpuinfo").read()  # Linux; elsewhere fall back to torch's capability string
+    except OSError:
+        flags = str(torch.backends.cpu.get_cpu_capability()).lower()
+    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 class LinearStats:
@@ -73,7 +116,10 @@ class LinearStats:
     """
 
     def __init__(self, in_features: int, dtype: torch.dtype = torch.float64,
-                 device: torch.device | str = "cpu", hessian: bool = True):
+                 device: torch.device | str = "cpu", hessian: bool = True,
+                 product_dtype: torch.dtype | None = None):
+        # Sums live in `dtype`; each batch's XᵀX is formed in `product_dtype` (default: dtype).
+        self.product_dtype = product_dtype or dtype
         self.xtx = torch.zeros(in_features, in_features, dtype=dtype, device=device) if hessian else None
         self.sq_norm = torch.zeros(in_features, dtype=dtype, device=device)
         self.n_tokens = 0
@@ -84,10 +130,13 @@ class LinearStats:
         if x is self._last:
             return
         self._last = x
-        x = x.detach().reshape(-1, x.shape[-1]).to(self.sq_norm.dtype)
+        x = x.detach().reshape(-1, x.shape[-1]).to(self.product_dtype)
         if self.xtx is not None:
-            self.xtx.addmm_(x.T, x)
-        self.sq_norm.add_(x.square().sum(0))
+            if self.product_dtype == self.xtx.dtype:
+                self.xtx.addmm_(x.T, x)
+            else:  # one batch's products in the narrow type, the running sum in the wide one
+                self.xtx.add_(x.T @ x)
+        self.sq_norm.add_(x.square().sum(0, dtype=self.sq_norm.dtype))
         self.n_tokens += x.shape[0]
 
     def end_batch(self) -> None:
@@ -97,6 +146,9 @@ class LinearStats:
     def H(self) -> torch.Tensor:
         if self.xtx is None:
             raise SmeltError("these statistics were collected without the Hessian (hessian=False)")
+        if self.product_dtype != self.xtx.dtype:
+            # Handed out in the precision its products had: the rank test then uses that epsilon.
+            return self.xtx.to(self.product_dtype)
         return self.xtx
 
     @property
@@ -108,8 +160,9 @@ class LinearStats:
 class _Collector:
     """Forward hooks on a block's selected linears, feeding a LinearStats per distinct input."""
 
-    def __init__(self, linears: dict[str, nn.Linear], dtype: torch.dtype, hessian: bool):
-        self.linears, self.dtype, self.hessian = linears, dtype, hessian
+    def __init__(self, linears: dict[str, nn.Linear], dtype: torch.dtype, hessian: bool,
+                 product_dtype: torch.dtype):
+        self.linears, self.dtype, self.hessian, self.product_dtype = linears, dtype, hessian, product_dtype
         self.stats: dict[str, LinearStats] = {}
         self.seconds = 0.0
 
@@ -120,7 +173,7 @@ class _Collector:
             st = self.stats.get(name)
             if st is None:  # first batch: share the stats of a linear that already saw this tensor
                 st = next((s for s in self.stats.values() if s._last is x), None) or LinearStats(
-                    module.in_features, self.dtype, x.device, self.hessian)
+                    module.in_features, self.dtype, x.device, self.hessian, self.product_dtype)
                 self.stats[name] = st
             st.add(x)
             self.seconds += time.perf_counter() - t0
@@ -155,7 +208,7 @@ OnBlock = Callable[[str, nn.Module, dict[str, LinearStats]], None]
 @torch.no_grad()
 def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock, cfg: CalibConfig,
                targets: Callable[[str], bool] | Collection[str] | None = None, hessian: bool = True,
-               stats_dtype: torch.dtype | None = None, progress: bool = True) -> dict[str, float]:
+               progress: bool = True) -> dict[str, float]:
     """Run `windows` [n, seq_len] through the model block by block, in layer order.
 
     For each block `layers.K`: a statistics pass runs the block on its inputs (in batches of
@@ -164,8 +217,9 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
     may modify the block in place, stats being {full linear name: LinearStats}; then the next block's
     inputs are the block's outputs: recomputed with the modified block when cfg.sequential, else the
     statistics pass's (unmodified) outputs, with no extra forward. Blocks without a selected linear are
-    still passed to on_block (with {}). Returns seconds spent: forward_s (block forwards, hooks
-    excluded), stats_s (accumulating statistics), on_block_s.
+    still passed to on_block (with {}). With cfg.forward resolving to a dtype other than the block's, the
+    passes run a copy of the block in that dtype, refreshed from the block after on_block. Returns seconds
+    spent: forward_s (block forwards, hooks excluded), stats_s (accumulating statistics), on_block_s.
     """
     if windows is None or windows.numel() == 0:
         raise SmeltError("no calibration data: run_blocks needs at least one window")
@@ -175,7 +229,8 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
     if seq_len > model.rope_cos.shape[0]:
         raise SmeltError(f"calibration seq_len={seq_len} exceeds the model's max_seq_len={model.rope_cos.shape[0]}")
     device = model.tok_embeddings.weight.device
-    dtype = stats_dtype or (torch.float64 if device.type == "cpu" else torch.float32)
+    product = torch.float64 if cfg.hessian == "float64" else torch.float32
+    fwd_dtype = cfg.forward_dtype(device)
     selected = _selector(targets)
     cos, sin = model.rope_cos[:seq_len], model.rope_sin[:seq_len]
     seconds = {"forward_s": 0.0, "stats_s": 0.0, "on_block_s": 0.0}
@@ -183,18 +238,21 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
     model.eval()
     try:
         # The current block's inputs, one tensor per batch; replaced in place by the block's outputs.
-        hidden = [model.tok_embeddings(b.to(device)) for b in windows.split(cfg.batch_size)]
+        hidden = [model.tok_embeddings(b.to(device)).to(fwd_dtype) for b in windows.split(cfg.batch_size)]
         bar = tqdm(total=len(model.layers), desc="calibrate", unit="block", disable=not progress)
         for key, block in model.layers.items():
             prefix = f"layers.{key}"
-            linears = {f"{prefix}.{n}": m for n, m in block.named_modules()
+            # What the passes run: the block itself, or a copy in the forward dtype (the algorithms keep
+            # modifying the block's own weights).
+            fwd = block if next(block.parameters()).dtype == fwd_dtype else copy.deepcopy(block).to(fwd_dtype)
+            linears = {f"{prefix}.{n}": m for n, m in fwd.named_modules()
                        if isinstance(m, nn.Linear) and selected(f"{prefix}.{n}")}
-            collector = _Collector(linears, dtype, hessian)
+            collector = _Collector(linears, torch.float64, hessian, product)
             if linears or not cfg.sequential:
                 t0 = time.perf_counter()
                 with collector.attached():
                     for i, h in enumerate(hidden):
-                        out = block(h, cos, sin)
+                        out = fwd(h, cos, sin)
                         collector.end_batch()
                         if not cfg.sequential:
                             hidden[i] = out
@@ -207,8 +265,11 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
             del collector  # free this block's statistics before the next block's
             if cfg.sequential:
                 t0 = time.perf_counter()
+                if fwd is not block:  # the modified weights, in the forward dtype
+                    for a, b in zip(fwd.parameters(), block.parameters(), strict=True):
+                        a.copy_(b)
                 for i, h in enumerate(hidden):
-                    hidden[i] = block(h, cos, sin)
+                    hidden[i] = fwd(h, cos, sin)
                 seconds["forward_s"] += time.perf_counter() - t0
             bar.update()
     finally:

@@ -23,7 +23,7 @@ from torch import nn
 
 from configs.schema import build
 from core.artifact import weights_fingerprint, write_manifest
-from core.calibrate import CalibConfig, LinearStats, run_blocks
+from core.calibrate import FORWARD_DTYPES, HESSIAN_DTYPES, CalibConfig, LinearStats, run_blocks
 from core.data import EvalConfig, parse_windows
 from core.device import default_device, release_memory
 from core.errors import ArgumentParser, SmeltError, run_cli
@@ -183,6 +183,10 @@ def _parse_args(argv):
                     help="training corpus or a '+'-joined mix (wikitext2-valid+code-train+zh-train), a local "
                          "text/jsonl/parquet file or folder, or hf:<dataset>")
     ap.add_argument("--seed", type=int, default=CalibConfig.seed)
+    ap.add_argument("--calib-forward", default=CalibConfig.forward, choices=FORWARD_DTYPES,
+                    help="block forward dtype (auto: bf16 where AMX/avx512-bf16 or a GPU has it)")
+    ap.add_argument("--calib-hessian", default=CalibConfig.hessian, choices=HESSIAN_DTYPES,
+                    help="XᵀX per batch in float64, or in float32 with the batches summed in float64")
     ap.add_argument("--blocksize", type=int, default=128, help="SparseGPT column block")
     ap.add_argument("--percdamp", type=float, default=0.01, help="Hessian dampening, fraction of mean(diag H)")
     ap.add_argument("--skip", default=",".join(DEFAULT_SKIP),
@@ -220,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     check_sparsity(sparsity)
     cfg = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, seed=args.seed,
                       batch_size=args.calib_batch_size, sequential=not args.no_sequential,
-                      corpus=args.calib_corpus)
+                      corpus=args.calib_corpus, forward=args.calib_forward, hessian=args.calib_hessian)
     skip = tuple(s.strip() for s in args.skip.split(",") if s.strip())
     eval_overrides = {"batch_size": args.eval_batch_size}
     if args.eval_windows:

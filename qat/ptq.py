@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from core.artifact import parent_record, write_manifest
-from core.calibrate import CalibConfig, run_blocks
+from core.calibrate import FORWARD_DTYPES, HESSIAN_DTYPES, CalibConfig, run_blocks
 from core.device import release_memory
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.evaluation import evaluate_dir
@@ -89,6 +89,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="training corpus or a '+'-joined mix (wikitext2-valid+code-train+zh-train), a local "
                          "text/jsonl/parquet file or folder, or hf:<dataset>")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--calib-forward", default=CalibConfig.forward, choices=FORWARD_DTYPES,
+                    help="block forward dtype (auto: bf16 where AMX/avx512-bf16 or a GPU has it)")
+    ap.add_argument("--calib-hessian", default=CalibConfig.hessian, choices=HESSIAN_DTYPES,
+                    help="XᵀX per batch in float64, or in float32 with the batches summed in float64")
     ap.add_argument("--out", required=True)
     ap.add_argument("--overwrite", action="store_true")
     ap.add_argument("--skip", default=",".join(DEFAULT_SKIP),
@@ -105,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     calib, windows = None, None
     if args.method == "gptq":  # validated before any weights load
         calib = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, seed=args.seed,
-                            corpus=args.calib_corpus)
+                            corpus=args.calib_corpus, forward=args.calib_forward, hessian=args.calib_hessian)
     teacher_dir = resolve_teacher(args.teacher)
     src = Path(args.artifact) if args.artifact else teacher_dir
     model = load_hf(src)

@@ -13,7 +13,7 @@ import torch
 from conftest import ROOT, tiny_config
 from torch import nn
 
-from core.calibrate import CalibConfig, run_blocks
+from core.calibrate import CalibConfig, bf16_is_fast, run_blocks
 from core.errors import SmeltError, run_cli
 from core.masks import load_dense_rows, load_masks
 from core.patterns import NMPattern
@@ -87,6 +87,49 @@ def test_sequential_calibration_sees_the_pruned_previous_block():
     for H, reference in ((H_seq, half), (H_par, dense)):
         X = captured_inputs(reference, windows, probe1)
         assert torch.allclose(H, X.T @ X, rtol=1e-5, atol=1e-6 * float(X.abs().max()) ** 2)
+
+
+def test_float32_hessian_matches_float64_and_stays_honest_about_its_precision():
+    model = build_model(tiny_config(max_seq_len=64), seed=5).eval()
+    windows = torch.randint(0, 260, (6, 32), generator=torch.Generator().manual_seed(2))
+    ref = collect(copy.deepcopy(model), windows, CalibConfig(n_windows=6, seq_len=32, batch_size=2))
+    got = collect(copy.deepcopy(model), windows, CalibConfig(n_windows=6, seq_len=32, batch_size=2, hessian="float32"))
+    for block, stats in ref.items():
+        for name, (H, act_norm, n, _) in stats.items():
+            H32 = got[block][name][0]
+            assert H32.dtype == torch.float32 and got[block][name][2] == n  # handed out in its products' precision
+            assert torch.allclose(H32.double(), H, rtol=1e-5, atol=1e-6 * float(H.abs().max()))
+            assert torch.allclose(got[block][name][1], act_norm, rtol=1e-6)
+
+
+def test_bf16_forwards_keep_fp32_blocks_and_feed_the_modified_weights_on():
+    model = build_model(tiny_config(max_seq_len=64), seed=6).eval()
+    windows = torch.randint(0, 260, (4, 32), generator=torch.Generator().manual_seed(3))
+    cfg = CalibConfig(n_windows=4, seq_len=32, batch_size=2, forward="bfloat16")
+    if not bf16_is_fast(torch.device("cpu")):
+        with pytest.raises(SmeltError, match="forward=bfloat16: cpu has no bf16 matmul units"):
+            cfg.forward_dtype(torch.device("cpu"))
+        assert CalibConfig(forward="auto").forward_dtype(torch.device("cpu")) == torch.float32
+        return
+    assert CalibConfig(forward="auto").forward_dtype(torch.device("cpu")) == torch.bfloat16
+    ref_model, bf_model = copy.deepcopy(model), copy.deepcopy(model)
+    ref = collect(ref_model, windows, CalibConfig(n_windows=4, seq_len=32, batch_size=2), 0.5)
+    got = collect(bf_model, windows, cfg, 0.5)
+    assert all(p.dtype == torch.float32 for p in bf_model.parameters())  # the algorithms' weights stay fp32
+    for block, stats in ref.items():
+        for name, (H, act_norm, _, _) in stats.items():
+            rel = (got[block][name][0] - H).norm() / H.norm()
+            assert rel < 0.03, (name, float(rel))  # bf16 activations: ~2^-8 relative per entry
+    # block 1 saw block 0 as pruned: its statistics follow the pruned model's activations, not the dense one's
+    dense = collect(copy.deepcopy(model), windows, CalibConfig(n_windows=4, seq_len=32, batch_size=2))
+    probe = f"layers.1.{PROBE}"
+    far = (got["layers.1"][probe][0] - dense["layers.1"][probe][0]).norm()
+    near = (got["layers.1"][probe][0] - ref["layers.1"][probe][0]).norm()
+    assert near < far / 3
+    with pytest.raises(SmeltError, match="calibration forward='fp8' is not one of"):
+        CalibConfig(forward="fp8")
+    with pytest.raises(SmeltError, match="calibration hessian='float16' is not one of"):
+        CalibConfig(hessian="float16")
 
 
 @pytest.fixture
@@ -190,8 +233,10 @@ def test_prune_model_rejects_bad_settings(tiny_model_dir, calib):
         prune_targets(model, skip=("tok_embeddings",))
     with pytest.raises(SmeltError, match="matches no module"):
         prune_targets(model, skip=("output", "attention.wz"))
-    with pytest.raises(SmeltError, match=r"layers\.0\.attention\.wq: Hessian is singular"):
-        prune_model(model, windows[:1, :8], "sparsegpt", 0.5, percdamp=0.0, cfg=cfg, progress=False)
+    for hessian in ("float64", "float32"):  # 8 tokens, 64 inputs: rank-deficient in either precision
+        with pytest.raises(SmeltError, match=r"layers\.0\.attention\.wq: Hessian is singular"):
+            prune_model(model, windows[:1, :8], "sparsegpt", 0.5, percdamp=0.0,
+                        cfg=CalibConfig(n_windows=1, seq_len=8, hessian=hessian), progress=False)
     with pytest.raises(SmeltError, match="n_windows=0 must be >= 1: no calibration data"):
         CalibConfig(n_windows=0)
 
