@@ -158,7 +158,8 @@ class LinearStats:
 
 
 class _Collector:
-    """Forward hooks on a block's selected linears, feeding a LinearStats per distinct input."""
+    """Forward pre-hooks on a block's selected linears, feeding a LinearStats per distinct input (inputs
+    only: a pass may stop before a linear's output is computed)."""
 
     def __init__(self, linears: dict[str, nn.Linear], dtype: torch.dtype, hessian: bool,
                  product_dtype: torch.dtype):
@@ -167,7 +168,7 @@ class _Collector:
         self.seconds = 0.0
 
     def _hook(self, name: str):
-        def hook(module: nn.Linear, args, output):
+        def hook(module: nn.Linear, args):
             t0 = time.perf_counter()
             x = args[0]
             st = self.stats.get(name)
@@ -181,7 +182,7 @@ class _Collector:
 
     @contextlib.contextmanager
     def attached(self):
-        handles = [m.register_forward_hook(self._hook(n)) for n, m in self.linears.items()]
+        handles = [m.register_forward_pre_hook(self._hook(n)) for n, m in self.linears.items()]
         try:
             yield
         finally:
@@ -203,6 +204,29 @@ def _selector(targets: Callable[[str], bool] | Collection[str] | None) -> Callab
 
 
 OnBlock = Callable[[str, nn.Module, dict[str, LinearStats]], None]
+
+
+class _StopPass(Exception):
+    """Raised at the block's last Linear in a sequential statistics pass: what follows is never used."""
+
+
+def _raise_stop(module, args):
+    raise _StopPass
+
+
+def _last_linear(block: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 hooks: _Collector) -> tuple[nn.Linear | None, torch.Tensor]:
+    """Run one batch through the block recording the order its Linears execute in; (the last, output)."""
+    order: list[nn.Linear] = []
+    handles = [m.register_forward_pre_hook(lambda mod, args: order.append(mod))
+               for m in block.modules() if isinstance(m, nn.Linear)]
+    try:
+        with hooks.attached():
+            out = block(h, cos, sin)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return (order[-1] if order else None), out
 
 
 @torch.no_grad()
@@ -250,13 +274,30 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
             collector = _Collector(linears, torch.float64, hessian, product)
             if linears or not cfg.sequential:
                 t0 = time.perf_counter()
-                with collector.attached():
-                    for i, h in enumerate(hidden):
-                        out = fwd(h, cos, sin)
-                        collector.end_batch()
-                        if not cfg.sequential:
-                            hidden[i] = out
-                        del out
+                # Batch 0 finds the block's last Linear; in a sequential pass the rest stop there (its
+                # output and what follows are recomputed with the modified block anyway).
+                last, out = _last_linear(fwd, hidden[0], cos, sin, collector)
+                collector.end_batch()
+                if not cfg.sequential:
+                    hidden[0] = out
+                del out
+                stop = None
+                try:
+                    with collector.attached():  # the stop hook after the collector's: stats first
+                        if cfg.sequential and last is not None:
+                            stop = last.register_forward_pre_hook(_raise_stop)
+                        for i in range(1, len(hidden)):
+                            try:
+                                out = fwd(hidden[i], cos, sin)
+                            except _StopPass:
+                                out = None
+                            collector.end_batch()
+                            if not cfg.sequential:
+                                hidden[i] = out
+                            del out
+                finally:
+                    if stop is not None:
+                        stop.remove()
                 seconds["forward_s"] += time.perf_counter() - t0 - collector.seconds
                 seconds["stats_s"] += collector.seconds
             t0 = time.perf_counter()

@@ -1,19 +1,23 @@
 """Benchmark: pruning wall time and peak RSS, with where the time goes.
 
     python -m prune.bench [--teacher smollm2-135m --method sparsegpt --pattern 2:4 --calib-windows 128]
+                          [--calib-forward float32 --calib-hessian float64] [--json OUT]
 
 Runs prune.run.prune_model once (no artifact written, no evaluation) and prints wall time, peak resident
 memory of the process (target for SparseGPT 2:4 on SmolLM2 with 128 x 512 windows: <= 3 GiB, since
 activations are streamed block by block), and the split: block forward passes, Hessian/norm
-accumulation, Hessian inverses, and the pruning updates.
+accumulation, Hessian inverses, and the pruning updates. `--json` also writes them (scripts/bench_oneshot.py
+runs several settings interleaved and prints ratios).
 """
 from __future__ import annotations
 
+import json
 import time
 
-from core.calibrate import CalibConfig
+from core.calibrate import FORWARD_DTYPES, HESSIAN_DTYPES, CalibConfig
 from core.device import peak_rss_gib
 from core.errors import ArgumentParser, run_cli
+from core.files import atomic_write_text
 from core.patterns import NMPattern
 from models.hf_io import load_hf, load_tokenizer
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
@@ -28,12 +32,16 @@ def main() -> None:
     ap.add_argument("--sparsity", type=float, default=0.5)
     ap.add_argument("--calib-windows", type=int, default=128)
     ap.add_argument("--calib-seq-len", type=int, default=512)
+    ap.add_argument("--calib-forward", default=CalibConfig.forward, choices=FORWARD_DTYPES)
+    ap.add_argument("--calib-hessian", default=CalibConfig.hessian, choices=HESSIAN_DTYPES)
+    ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
     pattern = NMPattern.parse(args.pattern) if args.pattern else None
     teacher_dir = resolve_teacher(args.teacher)
     t0 = time.perf_counter()
     model = load_hf(teacher_dir)
-    cfg = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len)
+    cfg = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, forward=args.calib_forward,
+                      hessian=args.calib_hessian)
     windows = cfg.windows(load_tokenizer(teacher_dir))
     t_load = time.perf_counter() - t0
     _, report = prune_model(model, windows, args.method, args.sparsity, pattern, cfg=cfg)
@@ -46,6 +54,10 @@ def main() -> None:
     for key in ("forward_s", "stats_s", "hessian_inverse_s", "prune_update_s", "metrics_s"):
         if key in split:
             print(f"  {key:<16}{split[key]:8.1f} s  ({100 * split[key] / max(split['total_s'], 1e-9):4.1f}%)")
+    if args.json:
+        atomic_write_text(args.json, json.dumps({
+            "stage": "prune", "method": args.method, "pattern": args.pattern, "calibration": cfg.record(),
+            "wall_s": wall, "load_s": t_load, "peak_rss_gib": peak_rss_gib(), "timings_s": split}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
