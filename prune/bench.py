@@ -15,7 +15,7 @@ import json
 import time
 
 from core.calibrate import FORWARD_DTYPES, HESSIAN_DTYPES, CalibConfig
-from core.device import peak_rss_gib
+from core.device import default_device, machine_record, peak_rss_gib
 from core.errors import ArgumentParser, run_cli
 from core.files import atomic_write_text
 from core.patterns import NMPattern
@@ -39,7 +39,7 @@ def main() -> None:
     pattern = NMPattern.parse(args.pattern) if args.pattern else None
     teacher_dir = resolve_teacher(args.teacher)
     t0 = time.perf_counter()
-    model = load_hf(teacher_dir)
+    model = load_hf(teacher_dir, device=str(default_device()))  # the GPU when one is present
     cfg = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, forward=args.calib_forward,
                       hessian=args.calib_hessian)
     windows = cfg.windows(load_tokenizer(teacher_dir))
@@ -56,7 +56,7 @@ def main() -> None:
             print(f"  {key:<16}{split[key]:8.1f} s  ({100 * split[key] / max(split['total_s'], 1e-9):4.1f}%)")
     if args.json:
         atomic_write_text(args.json, json.dumps({
-            "stage": "prune", "method": args.method, "pattern": args.pattern, "calibration": cfg.record(),
+            "stage": "prune", "method": args.method, "pattern": args.pattern, "calibration": cfg.record(default_device()), "machine": machine_record(),
             "wall_s": wall, "load_s": t_load, "peak_rss_gib": peak_rss_gib(), "timings_s": split}, indent=2) + "\n")
 
 

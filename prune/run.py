@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     metrics = {k: report[k] for k in ("sparsity", "pruned_params", "total_params", "per_module", "timings_s")}
     settings = {
         "method": args.method, "pattern": report["pattern"], "sparsity": sparsity,
-        "calibration": cfg.record() if calibrated else None, "skip": list(skip),
+        "calibration": cfg.record(default_device()) if calibrated else None, "skip": list(skip),
         "blocksize": args.blocksize if args.method == "sparsegpt" else None,
         "percdamp": args.percdamp if args.method in ("sparsegpt", "obs") else None,
         "teacher": args.teacher, "eval": None, "protect": args.protect,

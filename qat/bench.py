@@ -12,7 +12,7 @@ import json
 import time
 
 from core.calibrate import FORWARD_DTYPES, HESSIAN_DTYPES, CalibConfig
-from core.device import peak_rss_gib
+from core.device import default_device, machine_record, peak_rss_gib
 from core.errors import ArgumentParser, run_cli
 from core.files import atomic_write_text
 from models.hf_io import load_hf, load_tokenizer
@@ -34,7 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     teacher_dir = resolve_teacher(args.teacher)
     t0 = time.perf_counter()
-    model = load_hf(teacher_dir)
+    model = load_hf(teacher_dir, device=str(default_device()))  # the GPU when one is present
     cfg = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, forward=args.calib_forward,
                       hessian=args.calib_hessian)
     windows = cfg.windows(load_tokenizer(teacher_dir))
@@ -52,7 +52,7 @@ def main() -> None:
     if args.json:
         atomic_write_text(args.json, json.dumps({
             "stage": "gptq", "group_size": args.group_size, "act_order": args.act_order,
-            "calibration": cfg.record(), "wall_s": wall, "load_s": t_load, "peak_rss_gib": peak_rss_gib(),
+            "calibration": cfg.record(default_device()), "machine": machine_record(), "wall_s": wall, "load_s": t_load, "peak_rss_gib": peak_rss_gib(),
             "timings_s": split}, indent=2) + "\n")
 
 

@@ -18,7 +18,7 @@ import torch
 
 from core.artifact import parent_record, write_manifest
 from core.calibrate import FORWARD_DTYPES, HESSIAN_DTYPES, CalibConfig, run_blocks
-from core.device import release_memory
+from core.device import default_device, release_memory
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.evaluation import evaluate_dir
 from core.files import atomic_dir
@@ -49,7 +49,7 @@ def quantize_model(model, method: str, spec: QuantSpec, masks: dict, windows: to
         t0 = time.perf_counter()
         W = lin.weight.data
         if method == "rtn":
-            w_q, scale, zp = rtn(W * masks[name] if name in masks else W, spec, name=name)
+            w_q, scale, zp = rtn(W * masks[name].to(W.device) if name in masks else W, spec, name=name)
         else:
             w_q, scale, zp = gptq_quantize(W, H, spec, blocksize=blocksize, percdamp=percdamp,
                                           act_order=act_order, mask=masks.get(name), name=name)
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
                             corpus=args.calib_corpus, forward=args.calib_forward, hessian=args.calib_hessian)
     teacher_dir = resolve_teacher(args.teacher)
     src = Path(args.artifact) if args.artifact else teacher_dir
-    model = load_hf(src)
+    model = load_hf(src, device=str(default_device()))  # calibration on the GPU when one is present
     tokenizer = load_tokenizer(teacher_dir)
     masks = load_masks(src)
     quantized_linears(model, skip, field="--skip")  # refuse a bad --skip before calibrating
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         write_manifest(tmp, stage="ptq", settings={
             "method": args.method, "spec": spec_to_dict(spec), "act_order": args.act_order,
             "blocksize": args.blocksize, "percdamp": args.percdamp, "source": str(src), "skip": list(skip),
-            "calibration": calib.record() if calib else None},
+            "calibration": calib.record(default_device()) if calib else None},
             metrics=metrics, parent=parent_record(src))
     print(f"wrote {out} ({report['modules']} modules, {report['wall_s']:.0f}s)")
 

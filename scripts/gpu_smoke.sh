@@ -43,3 +43,11 @@ $py -m qat.ptq --artifact "$run/pruned" --method rtn --group-size 64 --out "$run
 $py -m qat.release --artifact "$run/rtn" --out "$run/release" --sparse-storage compressed >"$out/release.log" 2>&1
 $py -m kernels.check "$run/release" --dtype bfloat16 --device cuda --out "$out/kernels-check.json" | tee -a "$out/summary.txt"
 $py -m kernels.bench --out "$out/kernels-bench.json" | tee "$out/kernels-bench.txt"
+
+echo "== one-shot stages on the GPU: SparseGPT 2:4 and GPTQ W4 g64 on 128 x 512 windows (CPU: README's time table)"
+for fwd in float32 bfloat16; do
+  $py -m prune.bench --method sparsegpt --pattern 2:4 --calib-forward "$fwd" --calib-hessian float32 \
+    --json "$out/sparsegpt-$fwd.json" | tee -a "$out/summary.txt"
+  $py -m qat.bench --group-size 64 --act-order --calib-forward "$fwd" --calib-hessian float32 \
+    --json "$out/gptq-$fwd.json" | tee -a "$out/summary.txt"
+done
