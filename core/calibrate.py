@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 import time
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
@@ -256,6 +257,13 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
     product = torch.float64 if cfg.hessian == "float64" else torch.float32
     fwd_dtype = cfg.forward_dtype(device)
     selected = _selector(targets)
+    widest = max((m.in_features for n, m in model.layers.named_modules()
+                  if isinstance(m, nn.Linear) and selected(f"layers.{n}")), default=0)
+    if hessian and windows.numel() < widest:
+        # XᵀX over fewer tokens than inputs has rank < its size: singular unless dampened.
+        print(f"warning: {windows.numel()} calibration tokens are fewer than the {widest} inputs of the widest "
+              f"calibrated Linear: its Hessian is rank-deficient (use >= {widest} tokens, or rely on dampening)",
+              file=sys.stderr)
     cos, sin = model.rope_cos[:seq_len], model.rope_sin[:seq_len]
     seconds = {"forward_s": 0.0, "stats_s": 0.0, "on_block_s": 0.0}
     was_training, bar = model.training, None

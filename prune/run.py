@@ -104,7 +104,7 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
 
     An N:M `pattern` sets the sparsity (1 - n/m); without one it is unstructured at `sparsity`. windows
     [n_windows, seq_len] feed the calibrated methods (magnitude ignores them and runs no forward pass).
-    report: per_module {name: {sparsity, rel_recon_error (calibrated methods)}}, overall sparsity of
+    report: per_module {name: {sparsity, rel_recon_error (methods with a Hessian: SparseGPT, OBS)}}, overall sparsity of
     the pruned linears, and timings_s (forward passes, statistics, Hessian inverses, pruning updates).
     dense_rows {name: bool [out]}: rows left as they are (all kept), e.g. protected heads.
     """
@@ -136,7 +136,7 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
             entry["dense_rows"] = int(rows.sum())
         t1 = time.perf_counter()
         entry["sparsity"] = 1.0 - keep.sum().item() / keep.numel()
-        if stats is not None:
+        if stats is not None and stats.xtx is not None:
             entry["rel_recon_error"] = relative_error(weight.detach(), W_hat, stats.H)
         weight.copy_(W_hat)  # in place: tied or shared parameters stay the same object
         masks[name] = keep.cpu()
@@ -152,7 +152,10 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
         if method in CALIBRATED:
             if windows is None or windows.numel() == 0:
                 raise SmeltError(f"no calibration data: {method} needs calibration windows")
-            ran = run_blocks(model, windows, on_block, cfg, targets=set(targets), progress=progress)
+            # Wanda reads activation norms only: no XᵀX (it cost ~40% of a calibration), so no H-based
+            # reconstruction error is reported for it either.
+            ran = run_blocks(model, windows, on_block, cfg, targets=set(targets), progress=progress,
+                             hessian=method != "wanda")
             seconds["forward_s"], seconds["stats_s"] = ran["forward_s"], ran["stats_s"]
         else:
             for name in targets:
