@@ -25,7 +25,7 @@ from configs.schema import build
 from core.artifact import weights_fingerprint, write_manifest
 from core.calibrate import FORWARD_DTYPES, HESSIAN_DTYPES, CalibConfig, LinearStats, run_blocks
 from core.data import EvalConfig, parse_windows
-from core.device import default_device, release_memory
+from core.device import default_device, peak_rss_gib, release_memory
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.evaluation import evaluate_dir
 from core.files import atomic_dir
@@ -257,6 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     del windows
     print(_summary(args.method, report), file=sys.stderr)
     metrics = {k: report[k] for k in ("sparsity", "pruned_params", "total_params", "per_module", "timings_s")}
+    metrics["peak_rss_gib"] = round(peak_rss_gib(), 3)  # this process: load + calibration (the eval runs apart)
     settings = {
         "method": args.method, "pattern": report["pattern"], "sparsity": sparsity,
         "calibration": cfg.record(default_device()) if calibrated else None, "skip": list(skip),

@@ -18,7 +18,7 @@ import torch
 
 from core.artifact import parent_record, write_manifest
 from core.calibrate import FORWARD_DTYPES, HESSIAN_DTYPES, CalibConfig, run_blocks
-from core.device import default_device, release_memory
+from core.device import default_device, peak_rss_gib, release_memory
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.evaluation import evaluate_dir
 from core.files import atomic_dir
@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     qparams, report = quantize_model(model, args.method, spec, masks, windows, calib, args.blocksize,
                                      args.percdamp, args.act_order, skip)
     report["wall_s"] = time.perf_counter() - t0
+    report["peak_rss_gib"] = round(peak_rss_gib(), 3)  # load + calibration (the eval runs apart)
     metrics = {"ptq": report}
     with atomic_dir(out, overwrite=args.overwrite) as tmp:
         save_hf(model, tmp, tokenizer=tokenizer)

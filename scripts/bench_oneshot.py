@@ -1,64 +1,102 @@
-"""The one-shot stages' speed levers, measured side by side: each setting of the calibration engine runs
-as its own process (prune.bench / qat.bench), settings interleaved within each repeat so machine drift hits
-them alike, and the table prints each setting's wall time as a ratio to the first (today's default).
+"""The one-shot stages' speed levers, time and quality side by side: each setting of the calibration engine
+runs the real stage command (prune.run / qat.ptq with --eval) as its own process on the real teacher, the
+settings interleaved so machine drift hits them alike; the table gives each setting's calibration work
+time as a ratio to the first setting (today's default), its peak RSS, and its evaluation against the
+teacher (per-bucket KL mean / P99, PPL) next to the first setting's.
 
-    .venv/bin/python scripts/bench_oneshot.py --out results/bench/oneshot [--repeats 2] [--windows 128]
+    .venv/bin/python scripts/bench_oneshot.py --runs runs/oneshot --out results/bench/oneshot \
         [--stages sparsegpt,wanda,gptq] [--settings float32/float64,float32/float32,bfloat16/float64,bfloat16/float32]
+        [--stage-settings wanda=float32/float64,bfloat16/float64] [--repeats 1] [--windows 128]
 
-A setting is FORWARD/HESSIAN (CalibConfig.forward / .hessian). Writes OUT/<stage>-<setting>-r<k>.json
-and OUT/summary.json. Run it on an otherwise idle machine.
+A setting is FORWARD/HESSIAN (CalibConfig.forward / .hessian). Writes OUT/summary.json (+ each run's
+manifest as OUT/<stage>-<setting>-r<k>.manifest.json). Run it on an otherwise idle machine.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+MIX = "wikitext2-valid+code-train+zh-train"  # the recipe's calibration text
 COMMANDS = {
-    "sparsegpt": ["-m", "prune.bench", "--method", "sparsegpt", "--pattern", "2:4"],
-    "wanda": ["-m", "prune.bench", "--method", "wanda", "--pattern", "2:4"],
-    "gptq": ["-m", "qat.bench", "--group-size", "64", "--act-order"],
+    "sparsegpt": ["-m", "prune.run", "--method", "sparsegpt", "--pattern", "2:4"],
+    "wanda": ["-m", "prune.run", "--method", "wanda", "--pattern", "2:4"],
+    "gptq": ["-m", "qat.ptq", "--method", "gptq", "--group-size", "64", "--act-order"],
 }
+
+
+def _work(manifest: dict) -> tuple[float, float]:
+    """(calibration work seconds, peak RSS GiB) from a stage's manifest."""
+    m = manifest["metrics"]
+    if "ptq" in m:
+        return m["ptq"]["wall_s"], m["ptq"]["peak_rss_gib"]
+    return m["timings_s"]["total_s"], m["peak_rss_gib"]
+
+
+def _quality(manifest: dict) -> dict:
+    ev = manifest["metrics"]["eval"]
+    ev = ev.get("buckets", ev)
+    return {b: {k: round(v[k], 4) for k in ("ppl", "kl_mean", "kl_p99", "top1_agree")} for b, v in ev.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", required=True, help="where the artifacts go (deleted after reading unless --keep)")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--windows", type=int, default=128)
     ap.add_argument("--stages", default="sparsegpt,wanda,gptq")
     ap.add_argument("--settings", default="float32/float64,float32/float32,bfloat16/float64,bfloat16/float32")
+    ap.add_argument("--stage-settings", action="append", default=[],
+                    help="STAGE=S1,S2,...: settings for one stage (default: --settings)")
+    ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
-    out = Path(args.out)
+    out, runs = Path(args.out), Path(args.runs)
     out.mkdir(parents=True, exist_ok=True)
-    settings = args.settings.split(",")
-    runs: dict[tuple[str, str], list[dict]] = {}
+    stages = args.stages.split(",")
+    per_stage = {st: args.settings.split(",") for st in stages}
+    for item in args.stage_settings:
+        st, _, settings = item.partition("=")
+        per_stage[st] = settings.split(",")
+    results: dict[tuple[str, str], list[dict]] = {}
     for r in range(args.repeats):
-        for stage in args.stages.split(","):
-            for setting in settings:
+        for st in stages:
+            for setting in per_stage[st]:
                 fwd, hess = setting.split("/")
-                path = out / f"{stage}-{fwd}-{hess}-r{r}.json"
-                cmd = [sys.executable, *COMMANDS[stage], "--calib-windows", str(args.windows),
-                       "--calib-forward", fwd, "--calib-hessian", hess, "--json", str(path)]
-                print("$", " ".join(cmd[1:]), flush=True)
-                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-                runs.setdefault((stage, setting), []).append(json.loads(path.read_text()))
-    summary = {"windows": args.windows, "repeats": args.repeats, "rows": []}
-    for stage in args.stages.split(","):
-        base = statistics.median(x["wall_s"] - x["load_s"] for x in runs[(stage, settings[0])])
-        for setting in settings:
-            rs = runs[(stage, setting)]
-            work = statistics.median(x["wall_s"] - x["load_s"] for x in rs)
-            row = {"stage": stage, "setting": setting, "work_s": round(work, 1), "speedup": round(base / work, 2),
-                   "peak_rss_gib": round(max(x["peak_rss_gib"] for x in rs), 2),
-                   "split_s": {k: round(statistics.median(x["timings_s"].get(k, 0) for x in rs), 1)
-                               for k in rs[0]["timings_s"]}}
+                name = f"{st}-{fwd}-{hess}-r{r}"
+                cmd = [sys.executable, *COMMANDS[st], "--calib-windows", str(args.windows), "--calib-corpus", MIX,
+                       "--calib-forward", fwd, "--calib-hessian", hess, "--eval", "--overwrite",
+                       "--out", str(runs / name)]
+                print("$ python", " ".join(cmd[1:]), flush=True)
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                manifest = json.loads((runs / name / "manifest.json").read_text())
+                (out / f"{name}.manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+                work, rss = _work(manifest)
+                results.setdefault((st, setting), []).append({"work_s": work, "peak_rss_gib": rss,
+                                                              "quality": _quality(manifest)})
+                print(f"  {work:.1f} s, peak {rss:.2f} GiB, {_quality(manifest)}", flush=True)
+                if not args.keep:
+                    shutil.rmtree(runs / name)
+    summary = {"windows": args.windows, "repeats": args.repeats, "calibration_corpus": MIX, "rows": []}
+    for st in stages:
+        base = statistics.median(x["work_s"] for x in results[(st, per_stage[st][0])])
+        base_q = results[(st, per_stage[st][0])][0]["quality"]
+        for setting in per_stage[st]:
+            rs = results[(st, setting)]
+            work = statistics.median(x["work_s"] for x in rs)
+            q = rs[0]["quality"]
+            row = {"stage": st, "setting": setting, "work_s": round(work, 1), "speedup": round(base / work, 2),
+                   "peak_rss_gib": round(max(x["peak_rss_gib"] for x in rs), 2), "quality": q,
+                   "kl_mean_change": {b: round(q[b]["kl_mean"] / base_q[b]["kl_mean"] - 1, 4) for b in q},
+                   "kl_p99_change": {b: round(q[b]["kl_p99"] / base_q[b]["kl_p99"] - 1, 4) for b in q},
+                   "ppl_change": {b: round(q[b]["ppl"] / base_q[b]["ppl"] - 1, 4) for b in q}}
             summary["rows"].append(row)
-            print(f"{stage:9s} {setting:18s} {work:7.1f} s  {base / work:5.2f}x  peak {row['peak_rss_gib']:.2f} GiB  "
-                  f"{row['split_s']}")
+            print(f"{st:9s} {setting:18s} {work:7.1f} s {base / work:5.2f}x peak {row['peak_rss_gib']:.2f} GiB "
+                  f"KL mean {row['kl_mean_change']} P99 {row['kl_p99_change']}")
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
