@@ -207,6 +207,15 @@ def _selector(targets: Callable[[str], bool] | Collection[str] | None) -> Callab
 OnBlock = Callable[[str, nn.Module, dict[str, LinearStats]], None]
 
 
+def shared_inputs(stats: dict[str, LinearStats]) -> list[list[str]]:
+    """The linears grouped by shared statistics (wq/wk/wv, w1/w3: one input tensor), in order: a row-wise
+    algorithm (GPTQ, N:M SparseGPT) can run one sweep over the group's stacked rows with one H inverse."""
+    groups: dict[int, list[str]] = {}
+    for name, st in stats.items():
+        groups.setdefault(id(st), []).append(name)
+    return list(groups.values())
+
+
 class _StopPass(Exception):
     """Raised at the block's last Linear in a sequential statistics pass: what follows is never used."""
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from core.artifact import parent_record, write_manifest
-from core.calibrate import FORWARD_DTYPES, HESSIAN_DTYPES, CalibConfig, run_blocks
+from core.calibrate import FORWARD_DTYPES, HESSIAN_DTYPES, CalibConfig, run_blocks, shared_inputs
 from core.device import default_device, peak_rss_gib, release_memory
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.evaluation import evaluate_dir
@@ -44,26 +44,37 @@ def quantize_model(model, method: str, spec: QuantSpec, masks: dict, windows: to
     qparams: dict[str, tuple] = {}
     seconds = {"quantize_s": 0.0}
 
-    def quantize_one(name: str, H: torch.Tensor | None) -> None:
-        lin = modules[name]
+    def quantize_group(group: list[str], H: torch.Tensor | None) -> None:
+        """One GPTQ sweep over the stacked rows of linears that share H (rows are independent given H:
+        the same result as one sweep each, with one H inverse and a third of the column loops)."""
+        lins = [modules[n] for n in group]
         t0 = time.perf_counter()
-        W = lin.weight.data
+        W = torch.cat([lin.weight.data for lin in lins])
+        keep = None
+        if any(n in masks for n in group):
+            keep = torch.cat([masks[n].to(W.device) if n in masks else torch.ones_like(lin.weight, dtype=torch.bool)
+                              for n, lin in zip(group, lins, strict=True)])
+        label = group[0] if len(group) == 1 else f"{group[0]} (+{len(group) - 1} sharing its input)"
         if method == "rtn":
-            w_q, scale, zp = rtn(W * masks[name].to(W.device) if name in masks else W, spec, name=name)
+            w_q, scale, zp = rtn(W * keep if keep is not None else W, spec, name=label)
         else:
             w_q, scale, zp = gptq_quantize(W, H, spec, blocksize=blocksize, percdamp=percdamp,
-                                          act_order=act_order, mask=masks.get(name), name=name)
-        lin.weight.data.copy_(w_q.to(W.dtype))
-        qparams[name] = (scale, zp)
+                                          act_order=act_order, mask=keep, name=label)
+        sizes = [lin.out_features for lin in lins]
+        parts = zip(group, lins, w_q.split(sizes), scale.split(sizes),
+                    zp.split(sizes) if zp is not None else [None] * len(group), strict=True)
+        for name, lin, wq_i, s_i, z_i in parts:
+            lin.weight.data.copy_(wq_i.to(lin.weight.dtype))
+            qparams[name] = (s_i.contiguous(), None if z_i is None else z_i.contiguous())
         seconds["quantize_s"] += time.perf_counter() - t0
 
     if method == "rtn":
         for name in names:
-            quantize_one(name, None)
+            quantize_group([name], None)
     elif method == "gptq":
         def on_block(block_name, block, stats):
-            for name, st in stats.items():
-                quantize_one(name, st.H)
+            for group in shared_inputs(stats):
+                quantize_group(group, stats[group[0]].H)
         seconds.update(run_blocks(model, windows, on_block, calib or CalibConfig(), targets=set(names),
                                   progress=progress))
     else:

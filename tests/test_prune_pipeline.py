@@ -328,3 +328,19 @@ def test_prune_bench_prints_time_memory_and_split(tiny_model_dir):
                           text=True, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "peak RSS" in proc.stdout and "forward_s" in proc.stdout and "hessian_inverse_s" in proc.stdout
+
+
+def test_nm_sparsegpt_one_sweep_over_shared_inputs_equals_one_sweep_each(tiny_model_dir, calib):
+    from prune.algorithms import sparsegpt_prune
+
+    cfg, windows = calib
+    model = load_hf(tiny_model_dir)
+    names = [f"layers.0.{n}" for n in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1",
+                                       "feed_forward.w3")]
+    dense = {n: model.get_submodule(n).weight.detach().clone() for n in names}
+    got = collect(load_hf(tiny_model_dir), windows, cfg, targets=set(names))["layers.0"]
+    masks, _ = prune_model(model, windows, "sparsegpt", pattern=NMPattern(2, 4), cfg=cfg, progress=False)
+    for name in names:
+        w_ref, keep_ref = sparsegpt_prune(dense[name], got[name][0], pattern=NMPattern(2, 4))
+        assert torch.equal(masks[name], keep_ref), name
+        assert torch.allclose(model.get_submodule(name).weight, w_ref, atol=1e-6 * float(w_ref.abs().max()))

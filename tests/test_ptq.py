@@ -76,3 +76,24 @@ def test_ptq_cli_writes_a_quantized_artifact(tiny_model_dir, tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert sorted(read_qparams(kept)[0]) == sorted(n for n in qparams if n.startswith("layers.0."))
+
+
+def test_one_gptq_sweep_over_linears_sharing_an_input_equals_one_sweep_each(tiny_model_dir, byte_tokenizer):
+    from core.calibrate import run_blocks
+    from qat.gptq import gptq_quantize
+
+    spec = QuantSpec(bits=4, group_size=32)
+    calib = CalibConfig(n_windows=4, seq_len=64, batch_size=2)
+    windows = calib.windows(byte_tokenizer)
+    model = load_hf(tiny_model_dir)
+    dense = {n: m.weight.detach().clone() for n, m in model.named_modules() if n.startswith("layers.0.")
+             and isinstance(m, torch.nn.Linear)}
+    H = {}
+    run_blocks(load_hf(tiny_model_dir), windows, lambda b, blk, st: H.update({n: s.H.clone() for n, s in st.items()}),
+               calib, targets=set(dense), progress=False)
+    qparams, _ = quantize_model(model, "gptq", spec, {}, windows, calib, act_order=True, progress=False)
+    mods = dict(model.named_modules())
+    for name in ("layers.0.attention.wk", "layers.0.feed_forward.w3"):  # second members of qkv and w1/w3
+        w_ref, s_ref, _ = gptq_quantize(dense[name], H[name], spec, act_order=True, name=name)
+        assert torch.allclose(mods[name].weight, w_ref, atol=1e-6 * float(w_ref.abs().max()))
+        assert torch.allclose(qparams[name][0], s_ref)
