@@ -93,6 +93,7 @@ class CalibConfig:
 
 
 FORWARD_DTYPES = ("float32", "bfloat16", "auto")
+SYM_TILE = 512  # XᵀX tile width: wide inputs form only the tiles on and above the diagonal
 HESSIAN_DTYPES = ("float64", "float32")
 
 
@@ -125,6 +126,7 @@ class LinearStats:
         self.sq_norm = torch.zeros(in_features, dtype=dtype, device=device)
         self.n_tokens = 0
         self._last: torch.Tensor | None = None  # the tensor added last: a shared input is added once
+        self._mirrored: torch.Tensor | None = None  # H, symmetrised from the upper tiles (cached)
 
     @torch.no_grad()
     def add(self, x: torch.Tensor) -> None:
@@ -133,10 +135,17 @@ class LinearStats:
         self._last = x
         x = x.detach().reshape(-1, x.shape[-1]).to(self.product_dtype)
         if self.xtx is not None:
-            if self.product_dtype == self.xtx.dtype:
-                self.xtx.addmm_(x.T, x)
-            else:  # one batch's products in the narrow type, the running sum in the wide one
-                self.xtx.add_(x.T @ x)
+            # XᵀX is symmetric: only the tiles on and above the diagonal are formed (about half the
+            # flops for a wide input); H mirrors them.
+            d, b = x.shape[1], SYM_TILE
+            for i in range(0, d, b):
+                xi = x[:, i:i + b]
+                rest = x[:, i:]
+                if self.product_dtype == self.xtx.dtype:
+                    self.xtx[i:i + b, i:].addmm_(xi.T, rest)
+                else:  # one batch's products in the narrow type, the running sum in the wide one
+                    self.xtx[i:i + b, i:].add_(xi.T @ rest)
+            self._mirrored = None
         self.sq_norm.add_(x.square().sum(0, dtype=self.sq_norm.dtype))
         self.n_tokens += x.shape[0]
 
@@ -147,10 +156,12 @@ class LinearStats:
     def H(self) -> torch.Tensor:
         if self.xtx is None:
             raise SmeltError("these statistics were collected without the Hessian (hessian=False)")
-        if self.product_dtype != self.xtx.dtype:
+        if self._mirrored is None:
+            upper = self.xtx.triu()
+            H = upper + upper.triu(1).T
             # Handed out in the precision its products had: the rank test then uses that epsilon.
-            return self.xtx.to(self.product_dtype)
-        return self.xtx
+            self._mirrored = H.to(self.product_dtype)
+        return self._mirrored
 
     @property
     def act_norm(self) -> torch.Tensor:
