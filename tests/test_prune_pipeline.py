@@ -344,3 +344,18 @@ def test_nm_sparsegpt_one_sweep_over_shared_inputs_equals_one_sweep_each(tiny_mo
         w_ref, keep_ref = sparsegpt_prune(dense[name], got[name][0], pattern=NMPattern(2, 4))
         assert torch.equal(masks[name], keep_ref), name
         assert torch.allclose(model.get_submodule(name).weight, w_ref, atol=1e-6 * float(w_ref.abs().max()))
+
+
+def test_linear_stats_tiles_give_the_full_symmetric_hessian():
+    from core.calibrate import SYM_TILE, LinearStats
+
+    d = 2 * SYM_TILE + 76  # three tile rows, the last one narrow
+    X = torch.randn(2, 300, d, dtype=torch.float64)
+    for product in (torch.float64, torch.float32):
+        st = LinearStats(d, torch.float64, product_dtype=product)
+        for x in X:
+            st.add(x)
+            st.end_batch()
+        ref = (X.reshape(-1, d).T @ X.reshape(-1, d))
+        assert st.H.dtype == product and torch.equal(st.H, st.H.T)
+        assert torch.allclose(st.H.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
