@@ -8,13 +8,16 @@ teacher (per-bucket KL mean / P99, PPL) next to the first setting's.
         [--stages sparsegpt,wanda,gptq] [--settings float32/float64,float32/float32,bfloat16/float64,bfloat16/float32]
         [--stage-settings wanda=float32/float64,bfloat16/float64] [--repeats 1] [--windows 128]
 
-A setting is FORWARD/HESSIAN (CalibConfig.forward / .hessian). Writes OUT/summary.json (+ each run's
-manifest as OUT/<stage>-<setting>-r<k>.manifest.json). Run it on an otherwise idle machine.
+A setting is FORWARD/HESSIAN (CalibConfig.forward / .hessian), or `today`: the same stage command run from
+--today-tree, a checkout of the code before these levers (`git worktree add /tmp/today <commit>`), with its
+own defaults. Writes OUT/summary.json (+ each run's manifest as OUT/<stage>-<setting>-r<k>.manifest.json).
+Run it on an otherwise idle machine.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -33,8 +36,8 @@ def _work(manifest: dict) -> tuple[float, float]:
     """(calibration work seconds, peak RSS GiB) from a stage's manifest."""
     m = manifest["metrics"]
     if "ptq" in m:
-        return m["ptq"]["wall_s"], m["ptq"]["peak_rss_gib"]
-    return m["timings_s"]["total_s"], m["peak_rss_gib"]
+        return m["ptq"]["wall_s"], m["ptq"].get("peak_rss_gib")  # absent before it was recorded
+    return m["timings_s"]["total_s"], m.get("peak_rss_gib")
 
 
 def _quality(manifest: dict) -> dict:
@@ -53,6 +56,7 @@ def main() -> None:
     ap.add_argument("--settings", default="float32/float64,float32/float32,bfloat16/float64,bfloat16/float32")
     ap.add_argument("--stage-settings", action="append", default=[],
                     help="STAGE=S1,S2,...: settings for one stage (default: --settings)")
+    ap.add_argument("--today-tree", help="checkout of the code the `today` setting runs")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
     out, runs = Path(args.out), Path(args.runs)
@@ -66,19 +70,27 @@ def main() -> None:
     for r in range(args.repeats):
         for st in stages:
             for setting in per_stage[st]:
-                fwd, hess = setting.split("/")
-                name = f"{st}-{fwd}-{hess}-r{r}"
+                name = f"{st}-{setting.replace('/', '-')}-r{r}"
                 cmd = [sys.executable, *COMMANDS[st], "--calib-windows", str(args.windows), "--calib-corpus", MIX,
-                       "--calib-forward", fwd, "--calib-hessian", hess, "--eval", "--overwrite",
-                       "--out", str(runs / name)]
-                print("$ python", " ".join(cmd[1:]), flush=True)
-                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                       "--eval", "--overwrite", "--out", str((runs / name).resolve())]
+                if setting != "today":
+                    fwd, hess = setting.split("/")
+                    cmd += ["--calib-forward", fwd, "--calib-hessian", hess]
+                cwd = args.today_tree if setting == "today" else None
+                print(f"$ {'(in ' + cwd + ') ' if cwd else ''}python", " ".join(cmd[1:]), flush=True)
+                proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (its tree: eval included)
+                proc.returncode = os.waitstatus_to_exitcode(status)
+                if proc.returncode:
+                    raise SystemExit(f"{name} failed with exit code {proc.returncode}")
+                tree_rss = usage.ru_maxrss / 2**20
                 manifest = json.loads((runs / name / "manifest.json").read_text())
                 (out / f"{name}.manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
                 work, rss = _work(manifest)
                 results.setdefault((st, setting), []).append({"work_s": work, "peak_rss_gib": rss,
+                                                              "tree_peak_rss_gib": tree_rss,
                                                               "quality": _quality(manifest)})
-                print(f"  {work:.1f} s, peak {rss:.2f} GiB, {_quality(manifest)}", flush=True)
+                print(f"  {work:.1f} s, peak {rss} GiB (with eval {tree_rss:.2f}), {_quality(manifest)}", flush=True)
                 if not args.keep:
                     shutil.rmtree(runs / name)
     summary = {"windows": args.windows, "repeats": args.repeats, "calibration_corpus": MIX, "rows": []}
@@ -90,12 +102,13 @@ def main() -> None:
             work = statistics.median(x["work_s"] for x in rs)
             q = rs[0]["quality"]
             row = {"stage": st, "setting": setting, "work_s": round(work, 1), "speedup": round(base / work, 2),
-                   "peak_rss_gib": round(max(x["peak_rss_gib"] for x in rs), 2), "quality": q,
+                   "peak_rss_gib": None if rs[0]["peak_rss_gib"] is None else max(x["peak_rss_gib"] for x in rs),
+                   "tree_peak_rss_gib": round(max(x["tree_peak_rss_gib"] for x in rs), 2), "quality": q,
                    "kl_mean_change": {b: round(q[b]["kl_mean"] / base_q[b]["kl_mean"] - 1, 4) for b in q},
                    "kl_p99_change": {b: round(q[b]["kl_p99"] / base_q[b]["kl_p99"] - 1, 4) for b in q},
                    "ppl_change": {b: round(q[b]["ppl"] / base_q[b]["ppl"] - 1, 4) for b in q}}
             summary["rows"].append(row)
-            print(f"{st:9s} {setting:18s} {work:7.1f} s {base / work:5.2f}x peak {row['peak_rss_gib']:.2f} GiB "
+            print(f"{st:9s} {setting:18s} {work:7.1f} s {base / work:5.2f}x peak {row['peak_rss_gib']} GiB "
                   f"KL mean {row['kl_mean_change']} P99 {row['kl_p99_change']}")
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
