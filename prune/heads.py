@@ -64,7 +64,8 @@ def _walk(model, windows: torch.Tensor, reduce, batch_size: int, targets=()) -> 
     try:
         run_blocks(model, windows, lambda name, block, s: stats.update(s),
                    CalibConfig(n_windows=len(windows), seq_len=windows.shape[1], batch_size=batch_size,
-                               sequential=False), targets=list(targets), hessian=False, progress=False)
+                               sequential=False, forward="float32"),  # the recorder hooks the model's own blocks
+                   targets=list(targets), hessian=False, progress=False)
     finally:
         recorder.close()
     return stats

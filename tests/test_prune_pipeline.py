@@ -24,6 +24,7 @@ from prune.algorithms import magnitude_prune, reconstruction_error
 from prune.run import main, prune_model, prune_targets
 
 PROBE = "feed_forward.w2"  # its input (silu(w1 x) * w3 x) exists only inside the block
+EXACT = {"forward": "float32", "hessian": "float64"}  # the reference precision (brute-force comparisons)
 
 
 @torch.no_grad()
@@ -54,7 +55,7 @@ def test_stats_match_brute_force_with_noncontiguous_layers():
     model = build_model(tiny_config("debug-untied", max_seq_len=64), seed=3).eval()
     del model.layers["1"]  # depth-pruned: keys "0", "2"
     windows = torch.randint(0, 260, (5, 16), generator=torch.Generator().manual_seed(0))
-    cfg = CalibConfig(n_windows=5, seq_len=16, batch_size=2)  # batches of 2, 2, 1
+    cfg = CalibConfig(n_windows=5, seq_len=16, batch_size=2, **EXACT)  # batches of 2, 2, 1
     got = collect(model, windows, cfg)
     assert list(got) == ["layers.0", "layers.2"]
     for name in ("layers.2.feed_forward.w2", "layers.2.attention.wq", "layers.0.attention.wo"):
@@ -75,8 +76,9 @@ def test_sequential_calibration_sees_the_pruned_previous_block():
     dense = build_model(tiny_config(max_seq_len=64), seed=4).eval()
     windows = torch.randint(0, 260, (4, 32), generator=torch.Generator().manual_seed(1))
     seq_model, par_model = copy.deepcopy(dense), copy.deepcopy(dense)
-    seq = collect(seq_model, windows, CalibConfig(n_windows=4, seq_len=32, batch_size=3), 0.5)
-    par = collect(par_model, windows, CalibConfig(n_windows=4, seq_len=32, batch_size=3, sequential=False), 0.5)
+    seq = collect(seq_model, windows, CalibConfig(n_windows=4, seq_len=32, batch_size=3, **EXACT), 0.5)
+    par = collect(par_model, windows, CalibConfig(n_windows=4, seq_len=32, batch_size=3, sequential=False, **EXACT),
+                  0.5)
     probe0, probe1 = f"layers.0.{PROBE}", f"layers.1.{PROBE}"
     assert torch.equal(seq["layers.0"][probe0][0], par["layers.0"][probe0][0])  # same dense inputs
     H_seq, H_par = seq["layers.1"][probe1][0], par["layers.1"][probe1][0]
@@ -92,8 +94,9 @@ def test_sequential_calibration_sees_the_pruned_previous_block():
 def test_float32_hessian_matches_float64_and_stays_honest_about_its_precision():
     model = build_model(tiny_config(max_seq_len=64), seed=5).eval()
     windows = torch.randint(0, 260, (6, 32), generator=torch.Generator().manual_seed(2))
-    ref = collect(copy.deepcopy(model), windows, CalibConfig(n_windows=6, seq_len=32, batch_size=2))
-    got = collect(copy.deepcopy(model), windows, CalibConfig(n_windows=6, seq_len=32, batch_size=2, hessian="float32"))
+    ref = collect(copy.deepcopy(model), windows, CalibConfig(n_windows=6, seq_len=32, batch_size=2, **EXACT))
+    got = collect(copy.deepcopy(model), windows, CalibConfig(n_windows=6, seq_len=32, batch_size=2, forward="float32",
+                                                             hessian="float32"))
     for block, stats in ref.items():
         for name, (H, act_norm, n, _) in stats.items():
             H32 = got[block][name][0]
@@ -113,7 +116,7 @@ def test_bf16_forwards_keep_fp32_blocks_and_feed_the_modified_weights_on():
         return
     assert CalibConfig(forward="auto").forward_dtype(torch.device("cpu")) == torch.bfloat16
     ref_model, bf_model = copy.deepcopy(model), copy.deepcopy(model)
-    ref = collect(ref_model, windows, CalibConfig(n_windows=4, seq_len=32, batch_size=2), 0.5)
+    ref = collect(ref_model, windows, CalibConfig(n_windows=4, seq_len=32, batch_size=2, **EXACT), 0.5)
     got = collect(bf_model, windows, cfg, 0.5)
     assert all(p.dtype == torch.float32 for p in bf_model.parameters())  # the algorithms' weights stay fp32
     for block, stats in ref.items():
@@ -121,7 +124,7 @@ def test_bf16_forwards_keep_fp32_blocks_and_feed_the_modified_weights_on():
             rel = (got[block][name][0] - H).norm() / H.norm()
             assert rel < 0.03, (name, float(rel))  # bf16 activations: ~2^-8 relative per entry
     # block 1 saw block 0 as pruned: its statistics follow the pruned model's activations, not the dense one's
-    dense = collect(copy.deepcopy(model), windows, CalibConfig(n_windows=4, seq_len=32, batch_size=2))
+    dense = collect(copy.deepcopy(model), windows, CalibConfig(n_windows=4, seq_len=32, batch_size=2, **EXACT))
     probe = f"layers.1.{PROBE}"
     far = (got["layers.1"][probe][0] - dense["layers.1"][probe][0]).norm()
     near = (got["layers.1"][probe][0] - ref["layers.1"][probe][0]).norm()
@@ -134,7 +137,7 @@ def test_bf16_forwards_keep_fp32_blocks_and_feed_the_modified_weights_on():
 
 @pytest.fixture
 def calib(byte_tokenizer):
-    cfg = CalibConfig(n_windows=4, seq_len=64, batch_size=2)
+    cfg = CalibConfig(n_windows=4, seq_len=64, batch_size=2, **EXACT)
     return cfg, cfg.windows(byte_tokenizer)
 
 
@@ -247,7 +250,7 @@ def test_prune_model_rejects_bad_settings(tiny_model_dir, calib):
     for hessian in ("float64", "float32"):  # 8 tokens, 64 inputs: rank-deficient in either precision
         with pytest.raises(SmeltError, match=r"layers\.0\.attention\.wq: Hessian is singular"):
             prune_model(model, windows[:1, :8], "sparsegpt", 0.5, percdamp=0.0,
-                        cfg=CalibConfig(n_windows=1, seq_len=8, hessian=hessian), progress=False)
+                        cfg=CalibConfig(n_windows=1, seq_len=8, forward="float32", hessian=hessian), progress=False)
     with pytest.raises(SmeltError, match="n_windows=0 must be >= 1: no calibration data"):
         CalibConfig(n_windows=0)
 
