@@ -14,7 +14,9 @@ Precision (CalibConfig, measured in the README's time/quality table):
 - `hessian`: "float64" forms every batch's XᵀX in fp64 (the reference; fp64 matmul costs ~2.5x fp32 on
   CPU); "float32" forms each batch's XᵀX with an fp32 matmul and sums the batches in fp64, so rounding does
   not grow with the token count; H is then handed out as fp32, so the rank test for "singular without
-  dampening" (core.obs) judges it by fp32's epsilon, the precision its products had.
+  dampening" (core.obs) judges it by fp32's epsilon, the precision its products had. "bfloat16" forms the
+  per-batch products in bf16 (AMX on CPU; each product entry rounded to 8 bits) and hands H out in bf16:
+  the fastest and the coarsest, so dampening (percdamp > 0) is required.
 - `forward`: the dtype of the block forward passes. "bfloat16" runs a bf16 copy of each block (AMX /
   avx512-bf16 on CPU, tensor cores on GPU); the statistics still come out in the wide type above, and the
   algorithms still modify the fp32 block. "auto" is bf16 where the hardware has it, else fp32.
@@ -47,7 +49,7 @@ class CalibConfig:
     batch_size: int = 8
     sequential: bool = True  # next block's inputs come from the modified block (SparseGPT, Wanda)
     forward: str = "float32"  # block forward dtype: float32, bfloat16, or auto (bf16 where the hardware has it)
-    hessian: str = "float64"  # XᵀX per batch in float64, or float32 summed over batches in float64
+    hessian: str = "float64"  # XᵀX per batch in float64, float32 or bfloat16, summed over batches in float64
 
     def __post_init__(self):
         for name, lo in (("n_windows", 1), ("seq_len", 2), ("seed", 0), ("batch_size", 1)):
@@ -94,7 +96,7 @@ class CalibConfig:
 
 FORWARD_DTYPES = ("float32", "bfloat16", "auto")
 SYM_TILE = 512  # XᵀX tile width: wide inputs form only the tiles on and above the diagonal
-HESSIAN_DTYPES = ("float64", "float32")
+HESSIAN_DTYPES = ("float64", "float32", "bfloat16")
 
 
 def bf16_is_fast(device: torch.device) -> bool:
@@ -274,7 +276,7 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
     if seq_len > model.rope_cos.shape[0]:
         raise SmeltError(f"calibration seq_len={seq_len} exceeds the model's max_seq_len={model.rope_cos.shape[0]}")
     device = model.tok_embeddings.weight.device
-    product = torch.float64 if cfg.hessian == "float64" else torch.float32
+    product = getattr(torch, cfg.hessian)
     fwd_dtype = cfg.forward_dtype(device)
     selected = _selector(targets)
     widest = max((m.in_features for n, m in model.layers.named_modules()

@@ -57,7 +57,8 @@ def prune_targets(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP) -> lis
 
 def relative_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> float:
     """||XWᵀ − XŴᵀ||² / ||XWᵀ||² over the calibration inputs, from H = XᵀX alone."""
-    W64, D = W.to(H.dtype), (W - W_hat).to(H.dtype)
+    dt = torch.promote_types(H.dtype, torch.float32)  # a bf16 H is measured in fp32
+    H, W64, D = H.to(dt), W.to(dt), (W - W_hat).to(dt)
     den = float(((W64 @ H) * W64).sum())
     return float(((D @ H) * D).sum()) / den if den > 0 else 0.0
 
@@ -214,7 +215,7 @@ def _parse_args(argv):
     ap.add_argument("--calib-forward", default=CalibConfig.forward, choices=FORWARD_DTYPES,
                     help="block forward dtype (auto: bf16 where AMX/avx512-bf16 or a GPU has it)")
     ap.add_argument("--calib-hessian", default=CalibConfig.hessian, choices=HESSIAN_DTYPES,
-                    help="XᵀX per batch in float64, or in float32 with the batches summed in float64")
+                    help="XᵀX per batch in float64, float32 or bfloat16, the batches summed in float64")
     ap.add_argument("--blocksize", type=int, default=128, help="SparseGPT column block")
     ap.add_argument("--percdamp", type=float, default=0.01, help="Hessian dampening, fraction of mean(diag H)")
     ap.add_argument("--skip", default=",".join(DEFAULT_SKIP),

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calib-forward", default=CalibConfig.forward, choices=FORWARD_DTYPES,
                     help="block forward dtype (auto: bf16 where AMX/avx512-bf16 or a GPU has it)")
     ap.add_argument("--calib-hessian", default=CalibConfig.hessian, choices=HESSIAN_DTYPES,
-                    help="XᵀX per batch in float64, or in float32 with the batches summed in float64")
+                    help="XᵀX per batch in float64, float32 or bfloat16, the batches summed in float64")
     ap.add_argument("--out", required=True)
     ap.add_argument("--overwrite", action="store_true")
     ap.add_argument("--skip", default=",".join(DEFAULT_SKIP),

@@ -103,6 +103,13 @@ def test_float32_hessian_matches_float64_and_stays_honest_about_its_precision():
             assert H32.dtype == torch.float32 and got[block][name][2] == n  # handed out in its products' precision
             assert torch.allclose(H32.double(), H, rtol=1e-5, atol=1e-6 * float(H.abs().max()))
             assert torch.allclose(got[block][name][1], act_norm, rtol=1e-6)
+    coarse = collect(copy.deepcopy(model), windows, CalibConfig(n_windows=6, seq_len=32, batch_size=2,
+                                                                forward="float32", hessian="bfloat16"))
+    for block, stats in ref.items():
+        for name, (H, _, _, _) in stats.items():
+            Hb = coarse[block][name][0]
+            assert Hb.dtype == torch.bfloat16  # its precision, for the rank test
+            assert float((Hb.double() - H).norm() / H.norm()) < 1e-2
 
 
 def test_bf16_forwards_keep_fp32_blocks_and_feed_the_modified_weights_on():
@@ -247,7 +254,7 @@ def test_prune_model_rejects_bad_settings(tiny_model_dir, calib):
         prune_targets(model, skip=("tok_embeddings",))
     with pytest.raises(SmeltError, match="matches no module"):
         prune_targets(model, skip=("output", "attention.wz"))
-    for hessian in ("float64", "float32"):  # 8 tokens, 64 inputs: rank-deficient in either precision
+    for hessian in ("float64", "float32", "bfloat16"):  # 8 tokens, 64 inputs: rank-deficient in any precision
         with pytest.raises(SmeltError, match=r"layers\.0\.attention\.wq: Hessian is singular"):
             prune_model(model, windows[:1, :8], "sparsegpt", 0.5, percdamp=0.0,
                         cfg=CalibConfig(n_windows=1, seq_len=8, forward="float32", hessian=hessian), progress=False)
