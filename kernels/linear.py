@@ -20,14 +20,14 @@ class KernelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, kind: str, group_size: int = 0):
         super().__init__()
         self.in_features, self.out_features, self.kind, self.group_size = in_features, out_features, kind, group_size
-        self._parts: list[tuple[str, torch.Tensor | None]] = []  # (path, row indices or None for all rows)
+        self._paths: list[str] = []  # "w4" / "s24w4" / "s24" / "dense"; with several, each has <path>_rows
 
     def _add(self, path: str, rows: torch.Tensor | None, **tensors: torch.Tensor) -> None:
         for k, v in tensors.items():
             self.register_buffer(f"{path}_{k}", v.contiguous())
         if rows is not None:
             self.register_buffer(f"{path}_rows", rows)
-        self._parts.append((path, rows))
+        self._paths.append(path)
 
     @classmethod
     def from_release(cls, lin: ReleaseLinear, scale_dtype: torch.dtype = torch.float32) -> KernelLinear:
@@ -79,15 +79,15 @@ class KernelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if len(self._parts) == 1:
-            y = self._run(self._parts[0][0], x2)
+        if len(self._paths) == 1:
+            y = self._run(self._paths[0], x2)
         else:
             y = x2.new_empty(x2.shape[0], self.out_features)
-            for path, rows in self._parts:
+            for path in self._paths:
                 y[:, getattr(self, f"{path}_rows")] = self._run(path, x2)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.kind}" + (
             f", group {self.group_size}" if self.group_size else "") + (
-            ", dense rows on the dense path" if len(self._parts) > 1 else "")
+            ", dense rows on the dense path" if len(self._paths) > 1 else "")
