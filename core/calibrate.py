@@ -177,9 +177,8 @@ class _Collector:
     """Forward pre-hooks on a block's selected linears, feeding a LinearStats per distinct input (inputs
     only: a pass may stop before a linear's output is computed)."""
 
-    def __init__(self, linears: dict[str, nn.Linear], dtype: torch.dtype, hessian: bool,
-                 product_dtype: torch.dtype):
-        self.linears, self.dtype, self.hessian, self.product_dtype = linears, dtype, hessian, product_dtype
+    def __init__(self, linears: dict[str, nn.Linear], hessian: bool, product_dtype: torch.dtype):
+        self.linears, self.hessian, self.product_dtype = linears, hessian, product_dtype
         self.stats: dict[str, LinearStats] = {}
         self.seconds = 0.0
 
@@ -190,7 +189,7 @@ class _Collector:
             st = self.stats.get(name)
             if st is None:  # first batch: share the stats of a linear that already saw this tensor
                 st = next((s for s in self.stats.values() if s._last is x), None) or LinearStats(
-                    module.in_features, self.dtype, x.device, self.hessian, self.product_dtype)
+                    module.in_features, torch.float64, x.device, self.hessian, self.product_dtype)  # fp64 sums
                 self.stats[name] = st
             st.add(x)
             self.seconds += time.perf_counter() - t0
@@ -303,7 +302,7 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
             fwd = block if next(block.parameters()).dtype == fwd_dtype else copy.deepcopy(block).to(fwd_dtype)
             linears = {f"{prefix}.{n}": m for n, m in fwd.named_modules()
                        if isinstance(m, nn.Linear) and selected(f"{prefix}.{n}")}
-            collector = _Collector(linears, torch.float64, hessian, product)
+            collector = _Collector(linears, hessian, product)
             if linears or not cfg.sequential:
                 t0 = time.perf_counter()
                 # Batch 0 finds the block's last Linear; in a sequential pass the rest stop there (its

@@ -119,6 +119,20 @@ class ReleaseLinear:
         return self.codes().float() * self.scale.float().repeat_interleave(self.group_size, dim=1)
 
 
+def check_compressed(where: str, t: dict[str, torch.Tensor], shape: tuple[int, int], n_dense: int) -> None:
+    """One module's compressed-storage codes: present, int32, shaped as [out, in] and its dense-row count
+    imply (SmeltError naming the tensor). The metadata's content is core.packing.unpack_24_positions's."""
+    out, inn = shape
+    want = {"weight_kept": (out - n_dense, inn // 16), "weight_meta": (out - n_dense, inn // 32)}
+    if n_dense:
+        want["weight_dense_packed"] = (n_dense, inn // 8)
+    for k, s in want.items():
+        got = t.get(k)
+        if got is None or got.dtype != torch.int32 or tuple(got.shape) != s:
+            have = "missing" if got is None else f"{got.dtype} {list(got.shape)}"
+            raise SmeltError(f"{where}.{k} is {have}, want int32 {list(s)} (2:4-compressed, {n_dense} dense rows)")
+
+
 def quant_args(config: dict) -> tuple[int, int]:
     """(bits, group_size) of a release's config.json, refusing what the int4 readers cannot run."""
     qc = config.get("quantization_config")
@@ -163,17 +177,7 @@ def read_release_linears(rel: str | Path) -> dict[str, ReleaseLinear]:
             lin.kept, lin.meta = t.get("weight_kept"), t.get("weight_meta")
             lin.dense_packed = t.get("weight_dense_packed")
             n_dense = 0 if lin.dense_rows is None else int(lin.dense_rows.sum())
-            if lin.kept is None or lin.meta is None or (n_dense and lin.dense_packed is None):
-                raise SmeltError(f"model.safetensors: {mod} is declared 2:4-compressed but lacks weight_kept/"
-                                 "weight_meta" + ("/weight_dense_packed" if n_dense else ""))
-            want = {"weight_kept": (shape[0] - n_dense, shape[1] // 16),
-                    "weight_meta": (shape[0] - n_dense, shape[1] // 32)}
-            if n_dense:
-                want["weight_dense_packed"] = (n_dense, shape[1] // 8)
-            for k, s in want.items():
-                if tuple(t[k].shape) != s or t[k].dtype != torch.int32:
-                    raise SmeltError(f"model.safetensors: {mod}.{k} is {t[k].dtype} {list(t[k].shape)}, "
-                                     f"want int32 {list(s)}")
+            check_compressed(f"model.safetensors: {mod}", t, shape, n_dense)
         else:
             if "weight_packed" not in t:
                 raise SmeltError(f"model.safetensors: {mod} lacks weight_packed")

@@ -34,18 +34,12 @@ def main() -> None:
     ap.add_argument("--calib-seq-len", type=int, default=512)
     ap.add_argument("--calib-forward", default=CalibConfig.forward, choices=FORWARD_DTYPES)
     ap.add_argument("--calib-hessian", default=CalibConfig.hessian, choices=HESSIAN_DTYPES)
-    ap.add_argument("--layers", type=int, help="calibrate the first N blocks only (scaling runs)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
     pattern = NMPattern.parse(args.pattern) if args.pattern else None
     teacher_dir = resolve_teacher(args.teacher)
     t0 = time.perf_counter()
     model = load_hf(teacher_dir, device=str(default_device()))  # the GPU when one is present
-    if args.layers is not None:
-        if not 1 <= args.layers <= len(model.layers):
-            ap.error(f"--layers must be in [1, {len(model.layers)}]")
-        for key in list(model.layers)[args.layers:]:
-            del model.layers[key]
     cfg = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, forward=args.calib_forward,
                       hessian=args.calib_hessian)
     windows = cfg.windows(load_tokenizer(teacher_dir))
@@ -62,7 +56,7 @@ def main() -> None:
             print(f"  {key:<16}{split[key]:8.1f} s  ({100 * split[key] / max(split['total_s'], 1e-9):4.1f}%)")
     if args.json:
         atomic_write_text(args.json, json.dumps({
-            "stage": "prune", "method": args.method, "pattern": args.pattern, "layers": len(model.layers),
+            "stage": "prune", "method": args.method, "pattern": args.pattern,
             "calibration": cfg.record(default_device()), "machine": machine_record(),
             "wall_s": wall, "load_s": t_load, "peak_rss_gib": peak_rss_gib(), "timings_s": split}, indent=2) + "\n")
 

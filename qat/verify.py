@@ -24,8 +24,8 @@ from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import sha256_file
 from core.hf_names import from_hf_name
 from core.packing import unpack_24_positions
-from core.release_layout import (RELEASE_MANIFEST, SPARSITY_JSON, read_release_linears, rows_from_ranges,
-                                 sparsity_info, unpack_mask)
+from core.release_layout import (RELEASE_MANIFEST, SPARSITY_JSON, check_compressed, read_release_linears,
+                                 rows_from_ranges, sparsity_info, unpack_mask)
 from models.hf_io import config_from_hf
 from models.llama import Transformer
 from models.mtp import MTP_FILE, load_mtp
@@ -162,22 +162,17 @@ def _check_packing(rel: Path, scheme, r: Report) -> tuple[dict[str, dict[str, to
 
 def _check_compressed(mod: str, t: dict[str, torch.Tensor], info: dict, w) -> None:
     """Shapes and metadata of one module in the compressed 2:4 storage; SmeltError naming what is wrong."""
-    if w.num_bits != 4 or not {"weight_kept", "weight_meta", "weight_scale", "weight_shape"} <= set(t):
-        raise SmeltError(f"{mod}: the compressed 2:4 storage needs int4 weight_kept, weight_meta, weight_scale and "
-                         f"weight_shape, has {sorted(t)}")
+    if w.num_bits != 4 or not {"weight_scale", "weight_shape"} <= set(t):
+        raise SmeltError(f"{mod}: the compressed 2:4 storage needs int4 codes, weight_scale and weight_shape, "
+                         f"has {sorted(t)}")
     out, inn = (int(x) for x in t["weight_shape"].tolist())
-    n_dense = int(rows_from_ranges(info.get("dense_rows", []), out).sum())
-    want = {"weight_kept": (out - n_dense, inn // 16), "weight_meta": (out - n_dense, inn // 32),
-            "weight_scale": (out, inn // w.group_size)}
-    if n_dense:
-        want["weight_dense_packed"] = (n_dense, inn // 8)
-    for k, shape in want.items():
-        if k not in t or tuple(t[k].shape) != shape:
-            raise SmeltError(f"{mod}: {k} is {None if k not in t else list(t[k].shape)}, want {list(shape)}")
+    check_compressed(mod, t, (out, inn), int(rows_from_ranges(info.get("dense_rows", []), out).sum()))
     scale = t["weight_scale"]
+    if tuple(scale.shape) != (out, inn // w.group_size):
+        raise SmeltError(f"{mod}: weight_scale is {list(scale.shape)}, want {[out, inn // w.group_size]}")
     if not (torch.isfinite(scale).all() and (scale > 0).all()):
         raise SmeltError(f"{mod}: {int((~torch.isfinite(scale) | (scale <= 0)).sum())} scales are non-finite or <= 0")
-    unpack_24_positions(t["weight_meta"], inn)  # dtype, shape and increasing positions
+    unpack_24_positions(t["weight_meta"], inn)  # increasing positions in every group
 
 
 def _check_sparsity(rel: Path, scheme, mods: dict, bad_mods: set[str], r: Report) -> None:

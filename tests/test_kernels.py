@@ -243,3 +243,21 @@ def test_check_command_passes_on_a_release_and_bench_needs_a_gpu(release, tmp_pa
         with pytest.raises(SystemExit) as e:
             run_cli(lambda: bench.main([]))
         assert e.value.code != 0 and "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_verify_names_a_missing_compressed_tensor(release, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from qat.release import build_release
+    from qat.verify import verify_release
+
+    rel, _ = release
+    comp = build_release(rel.parent / "qat", tmp_path / "comp", dtype="float32", sparse_storage="compressed")
+    tensors = load_file(str(comp / "model.safetensors"))
+    name = "model.layers.0.mlp.up_proj"
+    del tensors[f"{name}.weight_meta"]
+    save_file(tensors, str(comp / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(SmeltError, match=rf"{name}\.weight_meta is missing, want int32"):
+        read_release_linears(comp)
+    report = verify_release(comp, load=False)
+    assert any(f"{name}.weight_meta is missing" in line for line in report.failures), report.lines
