@@ -4,6 +4,7 @@ Argument: a tiny HF model directory. Writes rank 0's findings as JSON to $OUT.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -68,6 +69,12 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(os.environ["OUT"], "w") as f:
             json.dump(result, f)
+    # Drop every FSDP module (and the gloo work objects their hooks hold) and line the ranks up before
+    # the group goes: tearing gloo down under live work aborted both ranks once in CI (SIGABRT,
+    # "terminate called without an active exception").
+    del model, qmodel, out
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
