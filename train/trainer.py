@@ -4,7 +4,8 @@
   model_parts), so it is not in the optimizer, not clipped and not in the checkpoint; it is sharded with
   FSDP2 like the student so a large teacher fits.
 - Masks: masks.safetensors of the student artifact become a MaskSet; gradients of removed weights are
-  zeroed after every backward and the weights re-masked after every optimizer step.
+  zeroed after every backward and the weights re-masked after every optimizer step, or, with
+  `--mask_learning.mode srste`, the masks keep learning until a freeze step (train.masks).
 - Faults: SIGTERM/SIGUSR1 (or the file $SMELT_STOP_FILE, which slurm/task.sh touches) -> checkpoint after
   the current step, exit 0 (Slurm preemption/time-out);
   a NaN/inf loss or gradient stops before the optimizer step, so the last checkpoint stays good.
@@ -17,7 +18,7 @@ import json
 import os
 import shutil
 import signal
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import spmd_types as spmd
@@ -34,7 +35,7 @@ from core.device import peak_rss_gib
 from core.dtensor import full, local
 from core.errors import SmeltError
 from core.files import atomic_dir
-from core.masks import load_dense_rows, load_masks, save_masks
+from core.masks import MASKS_FILE, load_dense_rows, load_masks, save_masks
 from core.runlock import RunLock
 from models.hf_io import config_from_hf, load_into, load_tokenizer, read_hf_config, save_hf
 from models.llama import Transformer
@@ -43,7 +44,7 @@ from models.teacher import resolve_teacher
 from qat.fake_quant import fake_quant_modules, freeze_weight
 from qat.qparams import QPARAMS_FILE, save_qparams
 from qat.quantizers import dequantize
-from train.masks import MaskSet
+from train.masks import MaskLearningConfig, MaskSet
 from train.titan import fsdp_mesh, shard_model
 
 
@@ -64,6 +65,13 @@ def check_config(config: SmeltTrainer.Config) -> None:
             resolve_teacher(config.teacher, download=False)
         except SmeltError as e:
             raise SmeltError(f"--teacher: {e}") from None
+    if config.mask_learning.mode != "fixed":
+        what = f"--mask_learning.mode {config.mask_learning.mode}"
+        if not (Path(config.student) / MASKS_FILE).is_file():
+            raise SmeltError(f"{what}: --student {config.student} has no {MASKS_FILE} to start from")
+        model = config.model_spec.model
+        if model.fake_quant.enable or model.mtp.depth:
+            raise SmeltError(f"{what} is for recovery: QAT and MTP stages keep the masks they are given")
     ck = config.checkpoint
     if ck.enable and ck.load_step > 0:
         step_dir = Path(config.dump_folder) / ck.folder / f"step-{ck.load_step}"
@@ -82,6 +90,8 @@ class SmeltTrainer(Trainer):
         """Write the trained student here (HF layout + masks + manifest) after the last step."""
         save_on_signal: bool = True
         """Checkpoint and exit cleanly on SIGTERM / SIGUSR1."""
+        mask_learning: MaskLearningConfig = field(default_factory=MaskLearningConfig)
+        """Fixed masks (default) or masks re-selected during training (SR-STE; train.masks)."""
 
     def __init__(self, config: Config):
         check_config(config)
@@ -104,7 +114,8 @@ class SmeltTrainer(Trainer):
         self.teacher_dir = teacher_dir
         self.student = self.model_parts[0].inner
         self.teacher = self._build_teacher(teacher_dir) if teacher_dir else None
-        self.masks = MaskSet(self.student, load_masks(config.student))
+        self.masks = MaskSet(self.student, load_masks(config.student), config.mask_learning,
+                             load_dense_rows(config.student), config.training.steps)
         bad = torch.tensor(self.masks.violations(), device=self.device)  # this rank's shards only
         if dist.is_initialized():
             dist.all_reduce(bad)  # every rank raises, or none does
@@ -177,7 +188,7 @@ class SmeltTrainer(Trainer):
             del pred, teacher_logits
             with spmd.no_typecheck():
                 loss.backward()
-        self.masks.apply_to_grads()
+        self.masks.apply_to_grads(self.step)
         finite = torch.isfinite(loss.detach()).all()  # a tensor: no device sync per micro-batch
         self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
         for k, v in metrics.items():
@@ -213,17 +224,40 @@ class SmeltTrainer(Trainer):
             what = "loss is NaN/inf" if not loss_ok else "a gradient is NaN/inf"
             raise TrainingStopped(f"step {self.step}: {what}; stopped before the optimizer step "
                                   f"(the last checkpoint is unchanged)")
+        self.masks.before_step(self.step)
 
     def _after_optimizer_step(self, optimizer, args, kwargs):
-        self.masks.apply_to_weights()
+        self.masks.after_step(self.step)
         if self._step_metrics and self.metrics_processor.should_log(self.step):
             vals = torch.stack(list(self._step_metrics.values())).to(self.device)
             if dist.is_initialized():
                 dist.all_reduce(vals)
                 vals /= dist.get_world_size()
-            self.metrics_processor.logger.log(
-                {f"loss_metrics/{k}": float(v) for k, v in zip(self._step_metrics, vals)}, self.step)
+            logged = {f"loss_metrics/{k}": float(v) for k, v in zip(self._step_metrics, vals)}
+            if self.masks.learns:  # a share of all groups, not a per-rank mean
+                changed, groups = self._mask_changes().tolist()
+                logged["masks/changed_groups_share"] = changed / max(groups, 1)
+            self.metrics_processor.logger.log(logged, self.step)
         self._step_metrics = {}
+
+    def _mask_changes(self) -> torch.Tensor:
+        """[groups changed from the artifact's masks, groups] over every rank (a collective)."""
+        counts = torch.tensor(self.masks.changes(), dtype=torch.int64, device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(counts)
+        return counts
+
+    # ---- checkpoint state: the step, and a learning mask's latents ------------------------------
+    def state_dict(self):
+        state = super().state_dict()
+        if getattr(self, "masks", None) is not None and self.masks.learns:
+            state["mask_learning"] = self.masks.state_dict()
+        return state
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        if getattr(self, "masks", None) is not None and self.masks.learns:
+            self.masks.load_state_dict(state["mask_learning"])
 
     # ---- preemption ----------------------------------------------------------------------------
     def _on_signal(self, signum, frame):
@@ -280,6 +314,7 @@ class SmeltTrainer(Trainer):
                 w, spec = cpu[f"{name}.weight"], m.spec
                 frozen[name] = freeze_weight(w, scale, m.weight_zero_point, spec)
                 w.copy_(dequantize(*frozen[name], spec))
+        changes = self._mask_changes().tolist() if self.masks.learns else None
         masks = {}
         for n, _, m in self.masks.pairs:
             t = full(m.to(torch.uint8))
@@ -315,6 +350,8 @@ class SmeltTrainer(Trainer):
                 "dp_shard": self.parallel_dims.dp_shard, "optimizer": _plain(cfg.optimizer),
                 "fake_quant": _plain(cfg.model_spec.model.fake_quant), "mtp": _plain(cfg.model_spec.model.mtp),
                 "data": _plain(cfg.dataloader),
+                "mask_learning": {**_plain(cfg.mask_learning),
+                                  **({"changed_groups": changes[0], "groups": changes[1]} if changes else {})},
             }, parent=parent_record(cfg.student))
         logger.info("exported the student to %s", out_dir)
 

@@ -1,0 +1,184 @@
+"""Masks that keep learning (SR-STE, train.masks): the maths, the mechanism, and the trainer around it."""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import time
+
+import pytest
+import torch
+from conftest import ROOT, make_byte_tokenizer, make_distill_dirs, tiny_config
+from safetensors.torch import load_file
+
+from core.errors import SmeltError
+from core.masks import load_dense_rows, load_masks, save_masks
+from core.patterns import NMPattern
+from models.hf_io import load_hf, save_hf
+from models.llama import build_model
+from test_trainer import TORCHRUN, _env, _kill_run, torchrun
+from train.masks import MaskLearningConfig, MaskSet, changed_groups, reselect
+
+NM = NMPattern(2, 4)
+
+
+def test_reselect_keeps_the_two_largest_per_group_and_pinned_rows():
+    w = torch.tensor([[0.1, -3.0, 2.0, 0.5, 1.0, 1.0, -1.0, 0.0],
+                      [0.0, 0.0, 0.0, 9.0, 0.1, 0.2, 0.3, 0.4]])
+    pinned = torch.zeros_like(w, dtype=torch.bool)
+    keep = reselect(w, NM, pinned)
+    assert keep[0, :4].tolist() == [False, True, True, False]
+    assert keep.reshape(-1, 4).sum(-1).tolist() == [2, 2, 2, 2]  # exactly 2 of 4, ties included
+    pinned[1] = True
+    assert reselect(w, NM, pinned)[1].all()
+    before = torch.tensor([[True, True, False, False, True, True, False, False]])
+    after = torch.tensor([[True, False, True, False, True, True, False, False]])
+    assert changed_groups(before, after, 4) == 1 and changed_groups(before, before, 4) == 0
+
+
+def _two_of_four(model, dense_row: int | None = None):
+    """Magnitude 2:4 masks on every w1 and wq (wq keeps row `dense_row` dense), applied to the model."""
+    masks, dense = {}, {}
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if name.endswith(("feed_forward.w1", "attention.wq")):
+                masks[name] = NM.keep_top(mod.weight.abs())
+                if dense_row is not None and name.endswith("wq"):
+                    dense[name] = torch.zeros(mod.weight.shape[0], dtype=torch.bool)
+                    dense[name][dense_row] = True
+                    masks[name][dense_row] = True
+                mod.weight.mul_(masks[name])
+    return masks, dense
+
+
+def test_srste_moves_masks_keeps_the_pattern_and_freezes():
+    torch.manual_seed(0)
+    model = build_model(tiny_config(), seed=0)
+    masks, dense = _two_of_four(model, dense_row=3)
+    steps, cfg = 10, MaskLearningConfig(mode="srste", decay=0.0, freeze_fraction=0.6)
+    ms = MaskSet(model, masks, cfg, dense, steps)
+    assert ms.last_select == 6
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.0)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    wq = model.layers["0"].attention.wq.weight
+    frozen_mask = None
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        model(tokens).logsumexp(-1).mean().backward()
+        ms.apply_to_grads(step)
+        pruned_grad = wq.grad[~ms.pairs[[n for n, *_ in ms.pairs].index("layers.0.attention.wq")][2]]
+        assert (pruned_grad.abs().max() > 0) == (step <= ms.last_select)  # STE while selecting, then zeroed
+        ms.before_step(step)
+        opt.step()
+        ms.after_step(step)
+        for name, w, m in ms.pairs:
+            assert NM.holds(w, dense.get(name)) and torch.equal(w != 0, m | (w != 0) & m)
+            assert (w[~m] == 0).all()
+        if step == ms.last_select:
+            frozen_mask = {n: m.clone() for n, _, m in ms.pairs}
+    changed, groups = ms.changes()
+    assert 0 < changed < groups  # the masks did move, and not everywhere
+    assert all(torch.equal(frozen_mask[n], m) for n, _, m in ms.pairs)  # frozen after the schedule's end
+    assert (wq[3] != 0).all()  # the declared dense row stayed dense
+
+
+def test_srste_decay_pulls_pruned_latents_to_zero():
+    model = build_model(tiny_config(), seed=0)
+    w = model.layers["0"].feed_forward.w1.weight
+    keep = NM.keep_top(w.abs())
+    ms = MaskSet(model, {"layers.0.feed_forward.w1": keep}, MaskLearningConfig(mode="srste", decay=0.5), {}, 4)
+    lat = ms.latent["layers.0.feed_forward.w1"]
+    with torch.no_grad():
+        lat.fill_(1.0)
+    w.grad = torch.zeros_like(w)
+    ms.before_step(1)
+    assert torch.allclose(w.grad[~keep], torch.full_like(w.grad[~keep], 0.5)) and (w.grad[keep] == 0).all()
+    assert torch.equal(w, lat)  # the optimizer steps the latents
+
+
+def test_srste_refuses_a_mask_off_its_pattern_and_bad_settings():
+    model = build_model(tiny_config(), seed=0)
+    w = model.layers["0"].feed_forward.w1.weight
+    unstructured = w.abs() > w.abs().median()
+    with pytest.raises(SmeltError, match="does not hold it"):
+        MaskSet(model, {"layers.0.feed_forward.w1": unstructured}, MaskLearningConfig(mode="srste"), {}, 4)
+    for kw, named in ((dict(freeze_fraction=1.0), "ends unfrozen"), (dict(mode="gumbel"), "mask_learning.mode"),
+                      (dict(pattern="4:2"), "mask_learning.pattern"), (dict(every=0), "mask_learning.every"),
+                      (dict(decay=-1.0), "mask_learning.decay")):
+        with pytest.raises(SmeltError, match=named):
+            MaskLearningConfig(**kw)
+
+
+@pytest.fixture(scope="module")
+def srste_dirs(tmp_path_factory):
+    """dirs/teacher (the trainer tests' teacher) and dirs/student: it with 2:4 magnitude masks on w1 and wq,
+    row 3 of each wq declared dense."""
+    root = make_distill_dirs(tmp_path_factory.mktemp("srste"))
+    student = load_hf(root / "teacher")
+    masks, dense = _two_of_four(student, dense_row=3)
+    shutil.rmtree(root / "student")
+    save_hf(student, root / "student", tokenizer=make_byte_tokenizer())
+    save_masks(student, masks, root / "student", dense)
+    return root
+
+
+SRSTE = ("--mask_learning.mode", "srste", "--mask_learning.freeze_fraction", "0.5", "--optimizer.param-groups.0.optimizer-kwargs.lr", "0.05",
+         "--training.steps", "8")
+
+
+def test_the_trainer_learns_2of4_masks_exports_them_exact_and_resumes_bit_identical(srste_dirs):
+    straight = torchrun(srste_dirs, "srste", *SRSTE)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    out = srste_dirs / "srste-out"
+    masks, dense = load_masks(out), load_dense_rows(out)
+    start = load_masks(srste_dirs / "student")
+    assert masks.keys() == start.keys() and dense.keys() == {n for n in start if n.endswith("wq")}
+    model = load_hf(out)
+    mods = dict(model.named_modules())
+    for name, m in masks.items():
+        w = mods[name].weight
+        assert NM.holds(m, dense.get(name)) and NM.holds(w, dense.get(name))  # exact 2:4 outside dense rows
+        assert (w[~m] == 0).all()
+        if name in dense:
+            assert (w[dense[name]] != 0).all()
+    learned = json.loads((out / "manifest.json").read_text())["settings"]["mask_learning"]
+    changed = sum(changed_groups(start[n], masks[n], 4) for n in masks)
+    assert learned["mode"] == "srste" and learned["changed_groups"] == changed > 0
+    assert learned["groups"] == sum(m.numel() // 4 for m in masks.values())
+    # Killed after a checkpoint inside the selecting phase (step 2 or 4 of 8, freeze after 4): the resumed
+    # run continues the latents and masks, not the artifact's, and ends bit-identical.
+    name = "srste-killed"
+    cmd = TORCHRUN + ["--student", str(srste_dirs / "student"), "--teacher", str(srste_dirs / "teacher"),
+                      "--dump_folder", str(srste_dirs / name), "--export_dir", str(srste_dirs / f"{name}-out"),
+                      *SRSTE]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    target = srste_dirs / name / "checkpoint" / f"step-{random.Random(1).choice([2, 4])}" / ".metadata"
+    deadline = time.time() + 180
+    while not target.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    _kill_run(proc, srste_dirs / name)
+    assert target.exists() and not (srste_dirs / f"{name}-out").exists()
+    resumed = torchrun(srste_dirs, name, *SRSTE)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for file in ("model.safetensors", "masks.safetensors"):
+        a, b = load_file(str(out / file)), load_file(str(srste_dirs / f"{name}-out" / file))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_trainer_refuses_srste_without_masks_or_in_qat(srste_dirs, tmp_path):
+    from train import cpu_shims
+
+    cpu_shims.apply()
+    from train.config_registry import debug_distill, debug_qat
+    from train.trainer import check_config
+
+    cfg = debug_distill()
+    cfg.student, cfg.mask_learning = str(srste_dirs / "teacher"), MaskLearningConfig(mode="srste")
+    with pytest.raises(SmeltError, match="has no masks.safetensors"):
+        check_config(cfg)
+    cfg = debug_qat()
+    cfg.student, cfg.mask_learning = str(srste_dirs / "student"), MaskLearningConfig(mode="srste")
+    with pytest.raises(SmeltError, match="QAT and MTP stages keep the masks"):
+        check_config(cfg)
