@@ -12,6 +12,12 @@ count (1 + tail_weight) times. Compression damage concentrates in few tokens (th
 tracks), and a plain mean spends most of its gradient on tokens that are already close. The
 threshold comes from a no-grad pass over the rank's own tokens, and the weights are constants.
 
+Layer-wise targets (hidden_weight > 0): the outputs of the listed blocks are matched to the teacher's
+blocks of the same index, per token, by normalised MSE ||h_s - h_t||^2 / ||h_t||^2 or by 1 - cos,
+averaged over the listed blocks and added with weight hidden_weight (intermediate targets, as in
+Sparse-Llama's and Minitron's distillation). `hidden_divergence` is the maths; the trainer collects
+the block outputs.
+
 Memory: the fp32 [tokens x vocab] probabilities (vocab 49k-128k) are never all alive at once. The loss
 runs token chunk by token chunk; each chunk's gradient w.r.t. the student logits is computed right
 away (autograd on the chunk) and kept in the logits' own dtype, and backward only scales it.
@@ -28,6 +34,7 @@ from core.errors import SmeltError
 from core.kl import kl_rows
 
 KINDS = ("forward_kl", "reverse_kl", "skew_kl", "js")
+HIDDEN_KINDS = ("nmse", "cosine")
 
 
 def divergence(kind: str, s_logits: torch.Tensor, t_logits: torch.Tensor, temperature: float = 1.0,
@@ -49,6 +56,26 @@ def divergence(kind: str, s_logits: torch.Tensor, t_logits: torch.Tensor, temper
     else:
         raise SmeltError(f"loss.kind={kind!r} is not one of {', '.join(KINDS)}")
     return d * temperature ** 2
+
+
+def hidden_divergence(kind: str, h_student: torch.Tensor, h_teacher: torch.Tensor) -> torch.Tensor:
+    """Per-token distance [...] between student and teacher hidden states [..., d], in fp32: normalised
+    MSE (scale-free, so every block weighs alike whatever its activation norm) or 1 - cosine."""
+    s, t = h_student.float(), h_teacher.detach().float()
+    if kind == "nmse":
+        return (s - t).pow(2).sum(-1) / t.pow(2).sum(-1).clamp_min(1e-12)
+    if kind == "cosine":
+        return 1 - F.cosine_similarity(s, t, dim=-1, eps=1e-8)
+    raise SmeltError(f"loss.hidden_kind={kind!r} is not one of {', '.join(HIDDEN_KINDS)}")
+
+
+def parse_layers(spec: str) -> tuple[str, ...]:
+    """ "3,7,11" -> ("3", "7", "11"): block keys of the teacher's numbering (depth-pruned students keep
+    it); "" -> (). Checked against the models where both are known (the trainer)."""
+    keys = tuple(k.strip() for k in spec.split(",") if k.strip())
+    if any(not k.isdigit() for k in keys) or len(set(keys)) != len(keys):
+        raise SmeltError(f"loss.hidden_layers={spec!r} must be distinct block indices, e.g. 5,11,17,23,29")
+    return keys
 
 
 class _ChunkedLoss(torch.autograd.Function):
@@ -119,6 +146,14 @@ class DistillLossConfig:
     chunk_tokens: int = 1024   # tokens per chunk: bounds the fp32 [chunk x vocab] working set
     tail_weight: float = 0.0   # extra weight of tokens at or above the divergence's tail_quantile
     tail_quantile: float = 0.9
+    hidden_weight: float = 0.0  # weight of the layer-wise loss (needs a teacher and hidden_layers)
+    hidden_layers: str = ""     # block indices whose outputs are matched, e.g. "5,11,17,23,29"
+    hidden_kind: str = "nmse"   # nmse or cosine
+
+    @property
+    def hidden_keys(self) -> tuple[str, ...]:
+        """hidden_layers as block keys (a property: torchtitan may set fields after construction)."""
+        return parse_layers(self.hidden_layers)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -137,6 +172,11 @@ class DistillLossConfig:
             raise SmeltError(f"loss.tail_weight={self.tail_weight} must be >= 0")
         if not 0 < self.tail_quantile < 1:
             raise SmeltError(f"loss.tail_quantile={self.tail_quantile} must be in (0, 1)")
+        if self.hidden_kind not in HIDDEN_KINDS:
+            raise SmeltError(f"loss.hidden_kind={self.hidden_kind!r} is not one of {', '.join(HIDDEN_KINDS)}")
+        if self.hidden_weight < 0 or (self.hidden_weight > 0) != bool(self.hidden_keys):
+            raise SmeltError(f"loss.hidden_weight={self.hidden_weight} must be >= 0, and > 0 exactly when "
+                             f"loss.hidden_layers names blocks (got {self.hidden_layers!r})")
 
 
 class DistillLoss(nn.Module):

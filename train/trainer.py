@@ -6,6 +6,9 @@
 - Masks: masks.safetensors of the student artifact become a MaskSet; gradients of removed weights are
   zeroed after every backward and the weights re-masked after every optimizer step, or, with
   `--mask_learning.mode srste`, the masks keep learning until a freeze step (train.masks).
+- Layer-wise targets (`--loss.hidden_weight`, `--loss.hidden_layers`): forward hooks keep the listed
+  blocks' outputs of student and teacher (blocks paired through train.lineage after depth removal), and
+  distill.losses.hidden_divergence adds their distance to the loss.
 - Faults: SIGTERM/SIGUSR1 (or the file $SMELT_STOP_FILE, which slurm/task.sh touches) -> checkpoint after
   the current step, exit 0 (Slurm preemption/time-out);
   a NaN/inf loss or gradient stops before the optimizer step, so the last checkpoint stays good.
@@ -37,6 +40,7 @@ from core.errors import SmeltError
 from core.files import atomic_dir
 from core.masks import MASKS_FILE, load_dense_rows, load_masks, save_masks
 from core.runlock import RunLock
+from distill.losses import hidden_divergence
 from models.hf_io import config_from_hf, load_into, load_tokenizer, read_hf_config, save_hf
 from models.llama import Transformer
 from models.mtp import MTP_FILE, main_fingerprint, save_mtp
@@ -44,12 +48,38 @@ from models.teacher import resolve_teacher
 from qat.fake_quant import fake_quant_modules, freeze_weight
 from qat.qparams import QPARAMS_FILE, save_qparams
 from qat.quantizers import dequantize
+from train.lineage import teacher_blocks
 from train.masks import MaskLearningConfig, MaskSet
 from train.titan import fsdp_mesh, shard_model
 
 
 class TrainingStopped(SmeltError):
     """Training cannot continue (non-finite loss or gradient); the message names the step (one line, exit 2)."""
+
+
+def hidden_pairs(config: SmeltTrainer.Config) -> dict[str, int]:
+    """{teacher block key: student block index} for the layer-wise loss's blocks; every problem is one
+    line naming the setting."""
+    keys = config.loss.hidden_keys
+    if not keys or not config.loss.hidden_weight > 0:  # checked here too: the CLI may bypass the config's own
+        raise SmeltError(f"--loss.hidden_weight={config.loss.hidden_weight} must be > 0 exactly when "
+                         f"--loss.hidden_layers names blocks (got {config.loss.hidden_layers!r})")
+    if not config.teacher:
+        raise SmeltError("--loss.hidden_weight needs a --teacher (layer-wise targets are its blocks)")
+    if config.model_spec.model.mtp.depth:
+        raise SmeltError("--loss.hidden_weight: MTP stages train modules on a frozen main model, not its blocks")
+    s_cfg = config_from_hf(read_hf_config(config.student))
+    t_cfg = config_from_hf(read_hf_config(resolve_teacher(config.teacher, download=False)))
+    if s_cfg.dim != t_cfg.dim:
+        raise SmeltError(f"--loss.hidden_layers: student width {s_cfg.dim} != teacher width {t_cfg.dim}; "
+                         f"their hidden states cannot be compared")
+    student_of = {str(t): i for i, t in enumerate(teacher_blocks(config.student, s_cfg.n_layers, t_cfg.n_layers))}
+    missing = [k for k in keys if k not in student_of]
+    if missing:
+        raise SmeltError(f"--loss.hidden_layers: teacher block{'s' * (len(missing) > 1)} {', '.join(missing)} "
+                         f"{'are' if len(missing) > 1 else 'is'} not in the student (it keeps teacher blocks "
+                         f"{', '.join(student_of)})")
+    return {k: student_of[k] for k in keys}
 
 
 def check_config(config: SmeltTrainer.Config) -> None:
@@ -72,6 +102,8 @@ def check_config(config: SmeltTrainer.Config) -> None:
         model = config.model_spec.model
         if model.fake_quant.enable or model.mtp.depth:
             raise SmeltError(f"{what} is for recovery: QAT and MTP stages keep the masks they are given")
+    if config.loss.hidden_keys or config.loss.hidden_weight:
+        hidden_pairs(config)
     ck = config.checkpoint
     if ck.enable and ck.load_step > 0:
         step_dir = Path(config.dump_folder) / ck.folder / f"step-{ck.load_step}"
@@ -114,6 +146,7 @@ class SmeltTrainer(Trainer):
         self.teacher_dir = teacher_dir
         self.student = self.model_parts[0].inner
         self.teacher = self._build_teacher(teacher_dir) if teacher_dir else None
+        self._hidden = self._hook_hidden(config) if config.loss.hidden_keys else None
         self.masks = MaskSet(self.student, load_masks(config.student), config.mask_learning,
                              load_dense_rows(config.student), config.training.steps)
         bad = torch.tensor(self.masks.violations(), device=self.device)  # this rank's shards only
@@ -154,6 +187,29 @@ class SmeltTrainer(Trainer):
         teacher.init_rope(self.device)
         return teacher
 
+    def _hook_hidden(self, config: Config) -> dict:
+        """Forward hooks that keep the paired blocks' outputs of student and teacher."""
+        s_keys = list(self.student.layers)
+        hidden = {"on": False, "pairs": list(config.loss.hidden_keys), "s": {}, "t": {}}
+        for k, i in hidden_pairs(config).items():
+            for side, block in (("s", self.student.layers[s_keys[i]]), ("t", self.teacher.layers[k])):
+                block.register_forward_hook(lambda mod, args, out, side=side, k=k: self._keep(side, k, out))
+        return hidden
+
+    def _keep(self, side: str, key: str, out: torch.Tensor) -> None:
+        if self._hidden["on"]:  # not during activation-checkpoint recomputation in backward
+            self._hidden[side][key] = out
+
+    def _hidden_loss(self, labels, global_valid_tokens):
+        """Sum over valid tokens of the mean over paired blocks of hidden_divergence, / global tokens."""
+        h, c = self._hidden, self.config.loss
+        valid = (labels != -100).float()
+        total = sum((hidden_divergence(c.hidden_kind, h["s"][k], h["t"][k]) * valid).sum() for k in h["pairs"])
+        total = total / len(h["pairs"])
+        denom = global_valid_tokens if global_valid_tokens is not None else valid.sum().clamp_min(1)
+        h["s"], h["t"] = {}, {}
+        return c.hidden_weight * total / denom, (total / valid.sum().clamp_min(1)).detach()
+
     def _cpu_model(self) -> Transformer:
         """An empty fp32 CPU copy of the student's architecture (the export fills it)."""
         with torch.device("meta"):
@@ -175,16 +231,23 @@ class SmeltTrainer(Trainer):
     # ---- one step ------------------------------------------------------------------------------
     def _forward_backward_body(self, inputs, labels, global_valid_tokens, extra_kwargs):
         with self.train_context():
+            if self._hidden is not None:
+                self._hidden["on"] = True
             with self._autocast():
                 pred = self.model_parts[0](inputs, **extra_kwargs)
                 teacher_logits = None
                 if self.teacher is not None:
                     with torch.no_grad():
                         teacher_logits = self.teacher(inputs)
+            if self._hidden is not None:
+                self._hidden["on"] = False
             if isinstance(pred, tuple):  # MTP modules: (main logits or None, [module k's logits])
                 loss, metrics = self._mtp_loss(*pred, labels, global_valid_tokens, teacher_logits)
             else:
                 loss, metrics = self.loss_fn(pred, labels, global_valid_tokens, teacher_logits=teacher_logits)
+            if self._hidden is not None:
+                hidden_loss, metrics["hidden"] = self._hidden_loss(labels, global_valid_tokens)
+                loss = loss + hidden_loss
             del pred, teacher_logits
             with spmd.no_typecheck():
                 loss.backward()
