@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 from conftest import make_distill_dirs
+from test_trainer import torchrun
 
 from core.artifact import write_manifest
 from core.errors import SmeltError
 from distill.losses import DistillLossConfig, hidden_divergence, parse_layers
 from models.hf_io import load_hf
-from test_trainer import torchrun
 from train.lineage import teacher_blocks
 
 

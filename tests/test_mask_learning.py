@@ -2,22 +2,19 @@
 from __future__ import annotations
 
 import json
-import random
 import shutil
-import subprocess
-import time
 
 import pytest
 import torch
-from conftest import ROOT, make_byte_tokenizer, make_distill_dirs, tiny_config
+from conftest import make_byte_tokenizer, make_distill_dirs, tiny_config
 from safetensors.torch import load_file
+from test_trainer import kill_after_checkpoint, torchrun
 
 from core.errors import SmeltError
 from core.masks import load_dense_rows, load_masks, save_masks
 from core.patterns import NMPattern
 from models.hf_io import load_hf, save_hf
 from models.llama import build_model
-from test_trainer import TORCHRUN, _env, _kill_run, torchrun
 from train.masks import MaskLearningConfig, MaskSet, changed_groups, reselect
 
 NM = NMPattern(2, 4)
@@ -103,9 +100,9 @@ def test_srste_refuses_a_mask_off_its_pattern_and_bad_settings():
     unstructured = w.abs() > w.abs().median()
     with pytest.raises(SmeltError, match="does not hold it"):
         MaskSet(model, {"layers.0.feed_forward.w1": unstructured}, MaskLearningConfig(mode="srste"), {}, 4)
-    for kw, named in ((dict(freeze_fraction=1.0), "ends unfrozen"), (dict(mode="gumbel"), "mask_learning.mode"),
-                      (dict(pattern="4:2"), "mask_learning.pattern"), (dict(every=0), "mask_learning.every"),
-                      (dict(decay=-1.0), "mask_learning.decay")):
+    for kw, named in (({"freeze_fraction": 1.0}, "ends unfrozen"), ({"mode": "gumbel"}, "mask_learning.mode"),
+                      ({"pattern": "4:2"}, "mask_learning.pattern"), ({"every": 0}, "mask_learning.every"),
+                      ({"decay": -1.0}, "mask_learning.decay")):
         with pytest.raises(SmeltError, match=named):
             MaskLearningConfig(**kw)
 
@@ -149,17 +146,7 @@ def test_the_trainer_learns_2of4_masks_exports_them_exact_and_resumes_bit_identi
     # Killed after a checkpoint inside the selecting phase (step 2 or 4 of 8, freeze after 4): the resumed
     # run continues the latents and masks, not the artifact's, and ends bit-identical.
     name = "srste-killed"
-    cmd = TORCHRUN + ["--student", str(srste_dirs / "student"), "--teacher", str(srste_dirs / "teacher"),
-                      "--dump_folder", str(srste_dirs / name), "--export_dir", str(srste_dirs / f"{name}-out"),
-                      *SRSTE]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    target = srste_dirs / name / "checkpoint" / f"step-{random.Random(1).choice([2, 4])}" / ".metadata"
-    deadline = time.time() + 180
-    while not target.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    _kill_run(proc, srste_dirs / name)
-    assert target.exists() and not (srste_dirs / f"{name}-out").exists()
+    kill_after_checkpoint(srste_dirs, name, *SRSTE, seed=1)
     resumed = torchrun(srste_dirs, name, *SRSTE)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     for file in ("model.safetensors", "masks.safetensors"):

@@ -198,19 +198,24 @@ def _copy_with_other_weights(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_resume_after_kill9_is_bit_identical(dirs, straight_run):
-    name = "killed"
+def kill_after_checkpoint(dirs: Path, name: str, *extra: str, seed: int = 0) -> None:
+    """Start a run and SIGKILL it (launcher and ranks together, hard: each rank is its own session) once its
+    checkpoint of step 2 or 4 (seeded choice) is on disk; nothing exported."""
     cmd = TORCHRUN + ["--student", str(dirs / "student"), "--teacher", str(dirs / "teacher"),
-                      "--dump_folder", str(dirs / name), "--export_dir", str(dirs / f"{name}-out"),
-                      "--training.steps", "8"]
+                      "--dump_folder", str(dirs / name), "--export_dir", str(dirs / f"{name}-out"), *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    target = dirs / name / "checkpoint" / f"step-{random.Random(0).choice([2, 4])}" / ".metadata"
+    target = dirs / name / "checkpoint" / f"step-{random.Random(seed).choice([2, 4])}" / ".metadata"
     deadline = time.time() + 180
     while not target.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    _kill_run(proc, dirs / name)  # launcher and ranks together, hard (each rank is its own session)
+    _kill_run(proc, dirs / name)
     assert target.exists() and not (dirs / f"{name}-out").exists()
+
+
+def test_resume_after_kill9_is_bit_identical(dirs, straight_run):
+    name = "killed"
+    kill_after_checkpoint(dirs, name, "--training.steps", "8")
     resumed = torchrun(dirs, name, "--training.steps", "8")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Loading the checkpoint" in resumed.stdout + resumed.stderr
