@@ -76,7 +76,8 @@ def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
         return [[PY, "-m", "prune.run", "--teacher", t, "--method", st.method, *_opt("--pattern", st.pattern),
                  *_opt("--protect", st.protect),
                  *_opt("--sparsity", st.sparsity), *_opt("--calib-windows", st.calib_windows),
-                 *_opt("--calib-seq-len", st.calib_seq_len), *_opt("--calib-corpus", calib), "--out", st.dst]]
+                 *_opt("--calib-seq-len", st.calib_seq_len), *_opt("--calib-forward", st.calib_forward),
+                 *_opt("--calib-corpus", calib), "--out", st.dst]]
     if st.kind in TRAINING:
         launch = [*shlex.split(env.get("SMELT_LAUNCH_PREFIX", "")), PY, "-m", "train.launch", "--nproc",
                   str(par.nproc)]
@@ -91,14 +92,16 @@ def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
         return [[PY, "-m", "qat.ptq", "--teacher", t, *(["--artifact", st.src] if st.src != t else []),
                  "--method", st.method, *_opt("--bits", st.bits), *_opt("--act-order", st.act_order),
                  *_opt("--group-size", st.group_size), *_opt("--calib-windows", st.calib_windows),
-                 *_opt("--calib-seq-len", st.calib_seq_len), *_opt("--calib-corpus", calib), "--out", st.dst]]
+                 *_opt("--calib-seq-len", st.calib_seq_len), *_opt("--calib-forward", st.calib_forward),
+                 *_opt("--calib-corpus", calib), "--out", st.dst]]
     if st.kind == "release":
         return [[PY, "-m", "qat.release", "--artifact", st.src, "--out", st.dst, "--dtype", st.dtype,
                  "--sparse-storage", st.sparse_storage,
                  *(["--metrics", recipe.evals(metrics_source(recipe, st))] if st.metrics else [])]]
     if st.kind == "verify":
+        # Beside evals/, not in it: eval.report reads every evals/*.json as a model's evaluation.
         check = [[PY, "-m", "kernels.check", st.src, "--layers", str(st.kernel_layers), "--out",
-                  recipe.evals(f"{st.name}-kernels")]] if st.kernel_layers else []
+                  str(Path(recipe.run_dir) / f"{st.name}-kernels.json")]] if st.kernel_layers else []
         return [[PY, "-m", "qat.verify", st.src], *check]
     if st.kind == "report":
         return [[PY, "-m", "eval.report", "--run", recipe.run_dir]]

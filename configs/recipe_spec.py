@@ -13,7 +13,7 @@ from pathlib import Path
 
 from configs.memory import read_registry
 from configs.schema import build, read_toml
-from core.calibrate import CalibConfig
+from core.calibrate import FORWARD_DTYPES, CalibConfig
 from core.data import EvalConfig
 from core.errors import SmeltError
 from core.patterns import NMPattern
@@ -71,6 +71,7 @@ class PruneStage(Stage):            # prune.run on the teacher
     sparsity: float | None = None
     calib_windows: int | None = None  # None: the CLI's default (core.calibrate.CalibConfig)
     calib_seq_len: int | None = None
+    calib_forward: str | None = None  # block forward dtype (core.calibrate.FORWARD_DTYPES); None: float32
     evaluate: bool = True
 
 
@@ -98,6 +99,7 @@ class PtqStage(Stage):              # qat.ptq
     act_order: bool = False
     calib_windows: int | None = None  # None: qat.ptq's default (128 x 512, as CalibConfig's)
     calib_seq_len: int | None = None
+    calib_forward: str | None = None
     evaluate: bool = True
 
 
@@ -305,6 +307,8 @@ def check(recipe: Recipe, registry: dict) -> None:
             NMPattern.parse(st.pattern, f"{where}.pattern")
         if isinstance(st, (PruneStage, PtqStage)) and st.calib_windows is not None and st.calib_windows < 1:
             raise SmeltError(f"{where}.calib_windows={st.calib_windows} must be >= 1")
+        if isinstance(st, (PruneStage, PtqStage)) and st.calib_forward not in (None, *FORWARD_DTYPES):
+            raise SmeltError(f"{where}.calib_forward {st.calib_forward!r} is not one of {', '.join(FORWARD_DTYPES)}")
         if isinstance(st, ReleaseStage) and st.dtype not in ("bfloat16", "float16", "float32"):
             raise SmeltError(f"{where}.dtype {st.dtype!r} is not one of bfloat16, float16, float32")
         if isinstance(st, ReleaseStage) and st.sparse_storage not in ("mask", "compressed"):

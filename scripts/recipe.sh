@@ -8,7 +8,7 @@
 # and writes its own under $SMELT_RUN, then is evaluated against the teacher (per-token KL mean/P99,
 # top-1, PPL per bucket); a finished stage is skipped on a rerun. wandb logs offline under the run
 # (WANDB_MODE=online to sync). Budgets are env vars, or pass --set KEY=VALUE arguments through:
-#   SMELT_RECOVER_STEPS (default 60), SMELT_QAT_STEPS (default 100), SMELT_CALIB_WINDOWS (default 128),
+#   SMELT_RECOVER_STEPS (default 60), SMELT_QAT_STEPS (default 60), SMELT_CALIB_WINDOWS (default 128),
 #   SMELT_NPROC (training processes, default 2), SMELT_RUN (default runs/smollm2), SMELT_TEACHER.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

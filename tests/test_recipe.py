@@ -70,22 +70,26 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
     assert shape == (30, 576, 9, 3, 1536, 49152)
     assert m["params"] == 134_515_008  # what torchtitan logs for SmolLM2-135M
     assert "30 layers, d_model 576, heads 9 / kv 3" in out and "memory per CPU rank" in out
-    # scripts/recipe.sh's commands with its defaults (128 x 512 calibration, 60 and 100 steps, 2 ranks)
+    # scripts/recipe.sh's commands with its defaults (128 x 512 calibration with bf16 forwards where the CPU
+    # has them, 60 and 60 steps in bf16 mixed precision, 2 ranks)
     t, launch = "--teacher smollm2-135m", "python -m train.launch --nproc 2 -- --module train.config_registry"
     expected = {
         "heads": [f"python -m prune.heads {t} --top-k 4 --out {run}/heads.json --png {run}/heads.png"],
         "prune": [(f"python -m prune.run {t} --method sparsegpt --pattern 2:4 --protect {run}/heads.json "
-                  f"--calib-windows 128 --calib-seq-len 512 --calib-corpus {MIX} --out {run}/pruned-2of4")],
+                  f"--calib-windows 128 --calib-seq-len 512 --calib-forward auto --calib-corpus {MIX} "
+                  f"--out {run}/pruned-2of4")],
         "recover": [(f"{launch} --config smollm2_recover --student {run}/pruned-2of4 {t} --dump_folder "
-                    f"{run}/recovered-2of4-run --export_dir {run}/recovered-2of4 --training.steps 60")],
+                    f"{run}/recovered-2of4-run --export_dir {run}/recovered-2of4 --training.steps 60 "
+                    f"--training.mixed_precision_param bfloat16")],
         "quantize": [(f"python -m qat.ptq {t} --artifact {run}/recovered-2of4 --method gptq --act-order "
-                     f"--group-size 64 --calib-windows 128 --calib-corpus {MIX} --out {run}/gptq-2of4")],
+                     f"--group-size 64 --calib-windows 128 --calib-forward auto --calib-corpus {MIX} --out {run}/gptq-2of4")],
         "qat": [(f"{launch} --config smollm2_qat --student {run}/gptq-2of4 {t} --dump_folder "
-                f"{run}/qat-2of4-run --export_dir {run}/qat-2of4 --training.steps 100")],
+                f"{run}/qat-2of4-run --export_dir {run}/qat-2of4 --training.steps 60 "
+                f"--training.mixed_precision_param bfloat16")],
         "release": [(f"python -m qat.release --artifact {run}/qat-2of4 --out {run}/release --dtype bfloat16 "
                     f"--sparse-storage mask --metrics {run}/evals/qat-2of4.json")],
         "verify": [f"python -m qat.verify {run}/release",
-                   f"python -m kernels.check {run}/release --layers 2 --out {run}/evals/verify-kernels.json"],
+                   f"python -m kernels.check {run}/release --layers 2 --out {run}/verify-kernels.json"],
         "report": [f"python -m eval.report --run {run}"],
     }
     stages = {s["name"]: s for s in plan["stages"]}
