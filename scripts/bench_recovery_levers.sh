@@ -5,6 +5,7 @@
 #   srste   masks re-selected by latent magnitude until 75% of the steps (train.masks)
 #   hidden  + layer-wise normalised MSE on blocks 5,11,17,23,29 (weight 1)
 #   hidden-dense  + layer-wise normalised MSE on every third block from 2 (weight 5)
+#   fixed-seed1   fixed masks on another shuffle of the same text (the run-to-run spread)
 # Env: START (the 2:4 artifact, default runs/smollm2/pruned-2of4), RUNS (default runs/levers),
 #      OUT (default results/bench/recovery-levers), STEPS (default 60), DTYPE (default bfloat16).
 #   scripts/bench_recovery_levers.sh fixed srste hidden
@@ -19,8 +20,9 @@ for lever in "$@"; do
     fixed) extra=() ;;
     srste) extra=(--mask_learning.mode srste) ;;
     hidden) extra=(--loss.hidden_weight 1.0 --loss.hidden_layers "5,11,17,23,29") ;;
+    fixed-seed1) extra=(--dataloader.seed 1) ;;
     hidden-dense) extra=(--loss.hidden_weight 5.0 --loss.hidden_layers "2,5,8,11,14,17,20,23,26,29") ;;
-    *) echo "error: lever $lever is not one of fixed, srste, hidden, hidden-dense" >&2; exit 2 ;;
+    *) echo "error: lever $lever is not one of fixed, srste, hidden, hidden-dense, fixed-seed1" >&2; exit 2 ;;
   esac
   art="$RUNS/$lever"
   start=$(date +%s)
