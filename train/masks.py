@@ -66,9 +66,10 @@ def reselect(latent: torch.Tensor, nm: NMPattern, pinned: torch.Tensor) -> torch
     return nm.keep_top(latent.abs()) | pinned
 
 
-def changed_groups(before: torch.Tensor, after: torch.Tensor, m: int) -> int:
-    """How many groups of m consecutive entries differ between two keep-masks of the same shape."""
-    return int((before != after).reshape(-1, m).any(dim=-1).sum().item())
+def changed_groups(before: torch.Tensor, after: torch.Tensor, m: int) -> torch.Tensor:
+    """How many groups of m consecutive entries differ between two keep-masks of the same shape (a 0-d
+    tensor: no device sync in the training step)."""
+    return (before != after).reshape(-1, m).any(dim=-1).sum()
 
 
 class MaskSet:
@@ -82,9 +83,9 @@ class MaskSet:
         self.last_select = self.learning.freeze_step(steps) if self.learns else 0
         modules = dict(model.named_modules())
         self.pairs: list[tuple[str, nn.Parameter, torch.Tensor]] = []
-        self.latent: dict[str, torch.Tensor] = {}   # srste: dense latent weights
-        self.initial: dict[str, torch.Tensor] = {}  # srste: the artifact's masks (to count changes)
-        self.pinned: dict[str, torch.Tensor] = {}   # srste: True on rows declared dense
+        self.latent: dict[str, torch.Tensor] = {}  # srste: dense latent weights
+        self.pinned: dict[str, torch.Tensor] = {}  # srste: [out, 1], True on rows declared dense
+        self.flipped: torch.Tensor | None = None   # srste: groups the last re-selection changed (this rank)
         for name, mask in masks.items():
             mod = modules.get(name)
             if mod is None or not hasattr(mod, "weight"):
@@ -98,11 +99,10 @@ class MaskSet:
                 if not self.learning.nm.holds(mask, rows):
                     raise SmeltError(f"mask_learning.pattern {self.learning.nm}: the mask of {name} does not "
                                      f"hold it (re-selection keeps the artifact's pattern)")
-                pinned = torch.zeros_like(mask, dtype=torch.bool)
+                pinned = torch.zeros(mask.shape[0], 1, dtype=torch.bool)
                 if rows is not None:
                     pinned[rows] = True
-                self.pinned[name] = like(pinned, w)
-                self.initial[name] = like(mask.bool().clone(), w)  # not the live mask itself
+                self.pinned[name] = like(pinned, w)  # row-sharded like the weight, broadcast over inputs
                 self.latent[name] = w.detach().clone()  # the loaded weights (a resume overwrites them)
 
     def __len__(self) -> int:
@@ -144,32 +144,25 @@ class MaskSet:
         """After the optimizer step: srste keeps the updated latents and re-selects; every mode then masks."""
         if self.selecting(step):
             select = step % self.learning.every == 0 or step == self.last_select
+            flipped = []
             for name, w, m in self.pairs:
                 lat = local(self.latent[name])
                 lat.copy_(local(w))
                 if select:
-                    local(m).copy_(reselect(lat, self.learning.nm, local(self.pinned[name])))
+                    new = reselect(lat, self.learning.nm, local(self.pinned[name]))
+                    flipped.append(changed_groups(local(m), new, self.learning.nm.m))
+                    local(m).copy_(new)
+            self.flipped = torch.stack(flipped).sum() if flipped else None
         self.apply_to_weights()
 
-    @torch.no_grad()
-    def changes(self) -> tuple[int, int]:
-        """(groups whose mask differs from the artifact's, groups), over this rank's shards."""
-        m, changed, total = self.learning.nm.m, 0, 0
-        for name, _, mask in self.pairs:
-            if name in self.initial:
-                changed += changed_groups(local(self.initial[name]), local(mask), m)
-                total += local(mask).numel() // m
-        return changed, total
-
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """What a resumed srste run needs (latents, current and initial masks); {} for fixed masks (the
-        masks then come from the artifact)."""
+        """What a resumed srste run needs (latents and current masks); {} for fixed masks (the masks then
+        come from the artifact)."""
         out = {}
         for name, _, m in self.pairs:
             if name in self.latent:
                 out[f"{name}.latent"] = self.latent[name]
                 out[f"{name}.mask"] = m.to(torch.uint8)
-                out[f"{name}.initial"] = self.initial[name].to(torch.uint8)
         return out
 
     @torch.no_grad()
@@ -178,7 +171,6 @@ class MaskSet:
             if f"{name}.latent" in state:
                 local(self.latent[name]).copy_(local(state[f"{name}.latent"]))
                 local(m).copy_(local(state[f"{name}.mask"]).bool())
-                local(self.initial[name]).copy_(local(state[f"{name}.initial"]).bool())
 
     @torch.no_grad()
     def violations(self) -> int:

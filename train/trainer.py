@@ -49,7 +49,7 @@ from qat.fake_quant import fake_quant_modules, freeze_weight
 from qat.qparams import QPARAMS_FILE, save_qparams
 from qat.quantizers import dequantize
 from train.lineage import teacher_blocks
-from train.masks import MaskLearningConfig, MaskSet
+from train.masks import MaskLearningConfig, MaskSet, changed_groups
 from train.titan import fsdp_mesh, shard_model
 
 
@@ -190,7 +190,7 @@ class SmeltTrainer(Trainer):
     def _hook_hidden(self, config: Config) -> dict:
         """Forward hooks that keep the paired blocks' outputs of student and teacher."""
         s_keys = list(self.student.layers)
-        hidden = {"on": False, "pairs": list(config.loss.hidden_keys), "s": {}, "t": {}}
+        hidden = {"on": False, "s": {}, "t": {}}
         for k, i in hidden_pairs(config).items():
             for side, block in (("s", self.student.layers[s_keys[i]]), ("t", self.teacher.layers[k])):
                 block.register_forward_hook(lambda mod, args, out, side=side, k=k: self._keep(side, k, out))
@@ -204,8 +204,8 @@ class SmeltTrainer(Trainer):
         """Sum over valid tokens of the mean over paired blocks of hidden_divergence, / global tokens."""
         h, c = self._hidden, self.config.loss
         valid = (labels != -100).float()
-        total = sum((hidden_divergence(c.hidden_kind, h["s"][k], h["t"][k]) * valid).sum() for k in h["pairs"])
-        total = total / len(h["pairs"])
+        keys = c.hidden_keys
+        total = sum((hidden_divergence(c.hidden_kind, h["s"][k], h["t"][k]) * valid).sum() for k in keys) / len(keys)
         denom = global_valid_tokens if global_valid_tokens is not None else valid.sum().clamp_min(1)
         h["s"], h["t"] = {}, {}
         return c.hidden_weight * total / denom, (total / valid.sum().clamp_min(1)).detach()
@@ -297,18 +297,13 @@ class SmeltTrainer(Trainer):
                 dist.all_reduce(vals)
                 vals /= dist.get_world_size()
             logged = {f"loss_metrics/{k}": float(v) for k, v in zip(self._step_metrics, vals)}
-            if self.masks.learns:  # a share of all groups, not a per-rank mean
-                changed, groups = self._mask_changes().tolist()
-                logged["masks/changed_groups_share"] = changed / max(groups, 1)
+            if self.masks.selecting(self.step) and self.masks.flipped is not None:  # summed, not a rank mean
+                flipped = self.masks.flipped.to(self.device)
+                if dist.is_initialized():
+                    dist.all_reduce(flipped)
+                logged["masks/flipped_groups"] = int(flipped)
             self.metrics_processor.logger.log(logged, self.step)
         self._step_metrics = {}
-
-    def _mask_changes(self) -> torch.Tensor:
-        """[groups changed from the artifact's masks, groups] over every rank (a collective)."""
-        counts = torch.tensor(self.masks.changes(), dtype=torch.int64, device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(counts)
-        return counts
 
     # ---- checkpoint state: the step, and a learning mask's latents ------------------------------
     def state_dict(self):
@@ -353,6 +348,14 @@ class SmeltTrainer(Trainer):
         if self.config.export_dir and not self.stopped_by_signal and self.step == self.config.training.steps:
             self.export(Path(self.config.export_dir))
 
+    def _mask_changes(self, masks: dict[str, torch.Tensor]) -> dict:
+        """Learned masks against the artifact's: {changed_groups, groups} ({} for fixed masks)."""
+        if not self.masks.learns:
+            return {}
+        start, m = load_masks(self.config.student), self.masks.learning.nm.m
+        return {"changed_groups": int(sum(changed_groups(start[n], masks[n], m) for n in masks)),
+                "groups": sum(masks[n].numel() // m for n in masks)}
+
     @torch.no_grad()
     def export(self, out_dir: Path) -> None:
         """Gather the student (collective) and write it as an artifact from rank 0.
@@ -377,7 +380,6 @@ class SmeltTrainer(Trainer):
                 w, spec = cpu[f"{name}.weight"], m.spec
                 frozen[name] = freeze_weight(w, scale, m.weight_zero_point, spec)
                 w.copy_(dequantize(*frozen[name], spec))
-        changes = self._mask_changes().tolist() if self.masks.learns else None
         masks = {}
         for n, _, m in self.masks.pairs:
             t = full(m.to(torch.uint8))
@@ -413,8 +415,7 @@ class SmeltTrainer(Trainer):
                 "dp_shard": self.parallel_dims.dp_shard, "optimizer": _plain(cfg.optimizer),
                 "fake_quant": _plain(cfg.model_spec.model.fake_quant), "mtp": _plain(cfg.model_spec.model.mtp),
                 "data": _plain(cfg.dataloader),
-                "mask_learning": {**_plain(cfg.mask_learning),
-                                  **({"changed_groups": changes[0], "groups": changes[1]} if changes else {})},
+                "mask_learning": {**_plain(cfg.mask_learning), **self._mask_changes(masks)},
             }, parent=parent_record(cfg.student))
         logger.info("exported the student to %s", out_dir)
 
