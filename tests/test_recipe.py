@@ -187,6 +187,7 @@ BAD = [
     (["--set", "stages.release.dtype=int8"], "stages[6].dtype 'int8' is not one of"),
     (["--set", "stages.release.sparse_storage=csr"], "stages[6].sparse_storage 'csr' is not one of"),
     (["--set", "stages.verify.kernel_layers=-1"], "stages[7].kernel_layers=-1"),
+    (["--set", "stages.prune.calib_forward=fp8"], "stages[2].calib_forward 'fp8' is not one of"),
 ]
 
 
