@@ -66,8 +66,11 @@ def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
     if st.kind == "teacher":
         sources = [calib or ""] + [s.budget["source"] or "" for s in recipe.stages
                                    if isinstance(s, TrainStage)]
-        zh = any("zh-train" in s.split("+") for s in sources)  # fetched once, before any rank reads it
-        return [[PY, "-m", "models.teacher", "--teacher", t]] + ([[PY, "-m", "core.zh_corpus"]] if zh else [])
+        fetch = ["zh-train"] if any("zh-train" in s.split("+") for s in sources) else []
+        fetch += ["en-news"] if "news" in (recipe.eval or {}).get("windows", {}) else []
+        # fetched once, before any rank (or evaluation) reads them
+        return [[PY, "-m", "models.teacher", "--teacher", t]] + ([[PY, "-m", "core.fetched_corpora", *fetch]]
+                                                                 if fetch else [])
     if st.kind == "heads":
         return [[PY, "-m", "prune.heads", "--teacher", t, *_opt("--top-k", st.top_k),
                  *_opt("--calib-windows", st.calib_windows), *_opt("--needle-lengths", st.needle_lengths),

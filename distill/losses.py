@@ -18,6 +18,10 @@ averaged over the listed blocks and added with weight hidden_weight (intermediat
 Sparse-Llama's and Minitron's distillation). `hidden_divergence` is the maths; the trainer collects
 the block outputs.
 
+Cached teacher (a core.teacher_topk.TeacherTopK instead of teacher logits): the teacher's top-k
+log-probs and the log of the mass left over; the divergence is forward KL between the two distributions
+coarsened to {top-k tokens, the rest} (topk_forward_kl), at temperature 1 (what the cache holds).
+
 Memory: the fp32 [tokens x vocab] probabilities (vocab 49k-128k) are never all alive at once. The loss
 runs token chunk by token chunk; each chunk's gradient w.r.t. the student logits is computed right
 away (autograd on the chunk) and kept in the logits' own dtype, and backward only scales it.
@@ -32,6 +36,7 @@ from torch import nn
 
 from core.errors import SmeltError
 from core.kl import kl_rows
+from core.teacher_topk import TeacherTopK
 
 KINDS = ("forward_kl", "reverse_kl", "skew_kl", "js")
 HIDDEN_KINDS = ("nmse", "cosine")
@@ -56,6 +61,32 @@ def divergence(kind: str, s_logits: torch.Tensor, t_logits: torch.Tensor, temper
     else:
         raise SmeltError(f"loss.kind={kind!r} is not one of {', '.join(KINDS)}")
     return d * temperature ** 2
+
+
+def topk_forward_kl(s_logits: torch.Tensor, teacher: TeacherTopK) -> torch.Tensor:
+    """Per-token KL [N] from the teacher's top-k (ids/logprobs [N, k], tail [N]) to the student's logits [N, V],
+    both coarsened to (the teacher's top-k tokens, everything else): a proper divergence, zero exactly when
+    the student gives each top-k token and the rest the teacher's mass."""
+    logq = F.log_softmax(s_logits.float(), dim=-1)
+    ids = teacher.ids.long()
+    q_rest = logq.scatter(-1, ids, float("-inf")).logsumexp(-1, keepdim=True)  # exact even as it nears 0
+    logp, logq = teacher.coarse_logprobs(), torch.cat([logq.gather(-1, ids), q_rest], dim=-1)
+    # k = V leaves an empty rest on both sides (-inf - -inf): its term is 0, as p = 0 there.
+    return torch.where(logp > float("-inf"), logp.exp() * (logp - logq), 0.0).sum(-1)
+
+
+def _divergence(kind, s_logits, teacher, temperature, skew_alpha):
+    """divergence() for teacher logits, topk_forward_kl for a cached teacher (forward KL at T = 1 only)."""
+    if not isinstance(teacher, TeacherTopK):
+        return divergence(kind, s_logits, teacher, temperature, skew_alpha)
+    if kind != "forward_kl" or temperature != 1.0:
+        raise SmeltError(f"a cached teacher (top-k) needs loss.kind=forward_kl and loss.temperature=1 "
+                         f"(got {kind}, {temperature}): the cache holds temperature-1 log-probs of k tokens")
+    return topk_forward_kl(s_logits, teacher)
+
+
+def _teacher_rows(teacher, s, e):
+    return teacher.rows(s, e) if isinstance(teacher, TeacherTopK) else teacher[s:e]
 
 
 def hidden_divergence(kind: str, h_student: torch.Tensor, h_teacher: torch.Tensor) -> torch.Tensor:
@@ -97,7 +128,7 @@ class _ChunkedLoss(torch.autograd.Function):
             e = min(n, s + chunk)
             with torch.enable_grad():
                 x = s_logits[s:e].detach().requires_grad_(grad is not None)
-                d = divergence(kind, x, t_logits[s:e], temperature, skew_alpha)
+                d = _divergence(kind, x, _teacher_rows(t_logits, s, e), temperature, skew_alpha)
                 valid = labels[s:e] != -100 if labels is not None else None
                 if valid is not None:
                     d = d * valid
@@ -128,7 +159,7 @@ def _tail_threshold(s_logits, t_logits, labels, kind, temperature, skew_alpha, c
     """The `quantile` of the per-token divergence over this batch's valid tokens."""
     parts = []
     for s in range(0, s_logits.shape[0], chunk):
-        d = divergence(kind, s_logits[s:s + chunk], t_logits[s:s + chunk], temperature, skew_alpha)
+        d = _divergence(kind, s_logits[s:s + chunk], _teacher_rows(t_logits, s, s + chunk), temperature, skew_alpha)
         parts.append(d[labels[s:s + chunk] != -100] if labels is not None else d)
     d = torch.cat(parts)
     return torch.quantile(d, quantile) if d.numel() else d.new_tensor(float("inf"))
@@ -183,7 +214,8 @@ class DistillLoss(nn.Module):
     """Mean over (non-ignored) tokens of the configured divergence (tail tokens weighted
     1 + tail_weight) times kd_weight, plus ce_weight * CE.
 
-    forward(student_logits [..., V], teacher_logits [..., V], labels [...] or None) ->
+    forward(student_logits [..., V], teacher_logits [..., V] or a cached TeacherTopK [..., k], labels [...]
+    or None) ->
     (loss, {"kd": mean divergence, "ce": mean CE (if ce_weight > 0)}).
     """
 
@@ -191,13 +223,20 @@ class DistillLoss(nn.Module):
         super().__init__()
         self.cfg = cfg or DistillLossConfig()
 
-    def forward(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+    def forward(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor | TeacherTopK,
                 labels: torch.Tensor | None = None):
-        if student_logits.shape[-1] != teacher_logits.shape[-1]:
+        v = student_logits.shape[-1]
+        if isinstance(teacher_logits, TeacherTopK):
+            t = teacher_logits.flatten()
+            if t.ids.shape[0] != student_logits.numel() // v:
+                raise SmeltError(f"cached teacher has {t.ids.shape[0]} positions, the student's batch "
+                                 f"{student_logits.numel() // v}")
+        elif student_logits.shape[-1] != teacher_logits.shape[-1]:
             raise SmeltError(f"student vocab {student_logits.shape[-1]} != teacher vocab "
                              f"{teacher_logits.shape[-1]}")
-        v = student_logits.shape[-1]
-        s, t = student_logits.reshape(-1, v), teacher_logits.detach().reshape(-1, v)
+        else:
+            t = teacher_logits.detach().reshape(-1, v)
+        s = student_logits.reshape(-1, v)
         lab = labels.reshape(-1) if labels is not None else None
         n_tok = (lab != -100).sum().clamp_min(1) if lab is not None else torch.tensor(s.shape[0])
         c = self.cfg

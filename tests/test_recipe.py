@@ -95,7 +95,7 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
     stages = {s["name"]: s for s in plan["stages"]}
     assert list(stages) == ["teacher", "heads", "prune", "recover", "quantize", "qat", "release", "verify",
                             "report"]
-    assert stages["teacher"]["commands"] == [f"python -m models.teacher {t}", "python -m core.zh_corpus"]
+    assert stages["teacher"]["commands"] == [f"python -m models.teacher {t}", "python -m core.fetched_corpora zh-train"]
     assert stages["teacher"]["evaluation"].endswith(f"--out {run}/evals/teacher.json --wandb --needle")
     assert stages["heads"]["evaluation"] is None
     for name, cmds in expected.items():

@@ -19,6 +19,8 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.protocols.model import BaseModel
 from torchtitan.tools.logging import logger
 
+from core.errors import SmeltError
+from core.teacher_topk import TeacherTopK, TopKCache
 from core.text_source import PackedTextStream, TextSourceConfig
 from distill.losses import DistillLoss, DistillLossConfig
 from models.hf_io import config_from_hf, load_into, load_tokenizer, read_hf_config
@@ -186,9 +188,43 @@ class HFTokenizer(BaseTokenizer):
         return len(self.hf)
 
 
+TOPK_KEYS = ("teacher_topk_ids", "teacher_topk_logprobs", "teacher_topk_tail")  # batch keys of a cached teacher
+
+
+def pop_teacher_topk(extra_kwargs: dict) -> TeacherTopK | None:
+    """The cached teacher's batch (StreamDataLoader with a teacher_cache), taken out of the model's kwargs."""
+    if TOPK_KEYS[0] not in extra_kwargs:
+        return None
+    return TeacherTopK(*(extra_kwargs.pop(k) for k in TOPK_KEYS))
+
+
+class CachedWindows:
+    """A teacher cache's windows for one rank, in the layout they were drawn (core.teacher_topk): call c
+    of rank r reads windows c * world * b + r * b + [0, b), wrapping around at the cache's end."""
+
+    def __init__(self, path: str, dp_rank: int, dp_world_size: int):
+        self.cache, self.rank, self.world, self.calls = TopKCache(path), dp_rank, dp_world_size, 0
+
+    def next_batch(self, b: int) -> tuple[torch.Tensor, TeacherTopK]:
+        base = self.calls * self.world * b + self.rank * b
+        self.calls += 1
+        return self.cache.windows([(base + j) % self.cache.n_windows for j in range(b)])
+
+    def state_dict(self) -> dict:
+        return {"teacher_cache_calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "teacher_cache_calls" not in state:
+            raise SmeltError("the checkpoint's data position is a text stream's, not a teacher cache's: resume "
+                             "with the --dataloader.teacher_cache setting it was trained with")
+        self.calls = int(state["teacher_cache_calls"])
+
+
 class StreamDataLoader(BaseDataLoader):
     """Packed BOS-led windows from a text source (core.text_source: project corpora, local files, or a hub
-    dataset), streamed with `datasets`, split between data-parallel ranks, tokenized on the fly.
+    dataset), streamed with `datasets`, split between data-parallel ranks, tokenized on the fly; or, with
+    `teacher_cache`, the windows of a teacher top-k cache with the teacher's top-k alongside (no teacher
+    forward in the step).
 
     The stream position is checkpointed (per-rank key so DCP keeps each rank's copy), so a resumed run
     continues at exactly the same sample.
@@ -198,17 +234,28 @@ class StreamDataLoader(BaseDataLoader):
     class Config(BaseDataLoader.Config, TextSourceConfig):
         """core.text_source.TextSourceConfig's fields and checks (at parse time, so train.launch refuses a
         bad source before any rank starts), as torchtitan's `--dataloader.*` section."""
+        teacher_cache: str = ""
+        """A distill.teacher_cache directory built from this source and seed: train on its windows and its
+        top-k teacher log-probs (train.trainer.check_config checks it against the run)."""
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
                  local_batch_size: int, snapshot_every_n_steps=None):
         self.bs = local_batch_size
-        self.stream = PackedTextStream(config, tokenizer.hf, seq_len, dp_rank=dp_rank, dp_world_size=dp_world_size)
+        if config.teacher_cache:
+            self.stream = CachedWindows(config.teacher_cache, dp_rank, dp_world_size)
+        else:
+            self.stream = PackedTextStream(config, tokenizer.hf, seq_len, dp_rank=dp_rank,
+                                           dp_world_size=dp_world_size)
         self._key = f"dp_rank_{dp_rank}"
 
     def __iter__(self):
         while True:
             batch = self.stream.next_batch(self.bs)
-            yield {"input": batch[:, :-1]}, batch[:, 1:]
+            if isinstance(batch, tuple):
+                tokens, t = batch
+                yield dict(zip(("input", *TOPK_KEYS), (tokens[:, :-1], t.ids, t.logprobs, t.tail))), tokens[:, 1:]
+            else:
+                yield {"input": batch[:, :-1]}, batch[:, 1:]
 
     def state_dict(self) -> dict[str, Any]:
         # One JSON string per rank: DCP loads into the current state's structure, and the stream's state

@@ -6,6 +6,9 @@
 - Masks: masks.safetensors of the student artifact become a MaskSet; gradients of removed weights are
   zeroed after every backward and the weights re-masked after every optimizer step, or, with
   `--mask_learning.mode srste`, the masks keep learning until a freeze step (train.masks).
+- Cached teacher (`--dataloader.teacher_cache DIR`, distill.teacher_cache): the windows and the teacher's
+  top-k log-probs come from the cache, no teacher is built or run, and the loss is the top-k KL
+  (distill.losses.topk_forward_kl); check_config holds the cache to the run's settings.
 - Layer-wise targets (`--loss.hidden_weight`, `--loss.hidden_layers`): forward hooks keep the listed
   blocks' outputs of student and teacher (blocks paired through train.lineage after depth removal), and
   distill.losses.hidden_divergence adds their distance to the loss.
@@ -40,6 +43,7 @@ from core.errors import SmeltError
 from core.files import atomic_dir
 from core.masks import MASKS_FILE, load_dense_rows, load_masks, save_masks
 from core.runlock import RunLock
+from core.teacher_topk import TeacherTopK, TopKCache
 from distill.losses import hidden_divergence
 from models.hf_io import config_from_hf, load_into, load_tokenizer, read_hf_config, save_hf
 from models.llama import Transformer
@@ -50,7 +54,7 @@ from qat.qparams import QPARAMS_FILE, save_qparams
 from qat.quantizers import dequantize
 from train.lineage import teacher_blocks
 from train.masks import MaskLearningConfig, MaskSet, changed_groups
-from train.titan import fsdp_mesh, shard_model
+from train.titan import fsdp_mesh, pop_teacher_topk, shard_model
 
 
 class TrainingStopped(SmeltError):
@@ -82,6 +86,38 @@ def hidden_pairs(config: SmeltTrainer.Config) -> dict[str, int]:
     return {k: student_of[k] for k in keys}
 
 
+def check_teacher_cache(config: SmeltTrainer.Config) -> TopKCache:
+    """The cache against the run: same text (source, seed), window length and teacher; a loss it can feed.
+    Every problem is one line naming the setting."""
+    what, data = f"--dataloader.teacher_cache {config.dataloader.teacher_cache}", config.dataloader
+    try:
+        cache = TopKCache(data.teacher_cache)
+    except SmeltError as e:
+        raise SmeltError(str(e).replace("teacher_cache", "--dataloader.teacher_cache", 1)) from None
+    st = cache.settings
+    if (st["source"], st["seed"]) != (data.source, data.seed):
+        raise SmeltError(f"{what} holds --dataloader.source {st['source']} seed {st['seed']}, the run asks for "
+                         f"{data.source} seed {data.seed}")
+    if cache.seq_len != config.training.seq_len:
+        raise SmeltError(f"{what} holds {cache.seq_len}-token windows; --training.seq_len is "
+                         f"{config.training.seq_len}")
+    loss = config.loss
+    if loss.kind != "forward_kl" or loss.temperature != 1.0:
+        raise SmeltError(f"{what}: --loss.kind must be forward_kl and --loss.temperature 1 (the cache holds "
+                         f"temperature-1 log-probs), got {loss.kind} / {loss.temperature}")
+    if loss.hidden_weight > 0:
+        raise SmeltError(f"{what}: --loss.hidden_weight needs the teacher's blocks, which a cache does not hold")
+    if config.teacher:
+        from core.artifact import weights_fingerprint
+        if weights_fingerprint(resolve_teacher(config.teacher, download=False)) != st["teacher_fingerprint"]:
+            raise SmeltError(f"{what} was built from another teacher ({st['teacher']}) than --teacher "
+                             f"{config.teacher}")
+    s_vocab = config_from_hf(read_hf_config(config.student)).vocab_size
+    if s_vocab != st["vocab_size"]:
+        raise SmeltError(f"{what}: its teacher's vocab_size {st['vocab_size']} != --student vocab_size {s_vocab}")
+    return cache
+
+
 def check_config(config: SmeltTrainer.Config) -> None:
     """The checks that need no model or process group (train.launch runs them before the ranks start)."""
     if not config.student or not Path(config.student).is_dir():
@@ -102,6 +138,8 @@ def check_config(config: SmeltTrainer.Config) -> None:
         model = config.model_spec.model
         if model.fake_quant.enable or model.mtp.depth:
             raise SmeltError(f"{what} is for recovery: QAT and MTP stages keep the masks they are given")
+    if config.dataloader.teacher_cache:
+        check_teacher_cache(config)
     if config.loss.hidden_keys or config.loss.hidden_weight:
         hidden_pairs(config)
     ck = config.checkpoint
@@ -117,7 +155,8 @@ class SmeltTrainer(Trainer):
         student: str = ""
         """Artifact directory (HF layout) holding the student's starting weights and optional masks."""
         teacher: str = ""
-        """Teacher HF directory, .gguf or registered name. Empty: plain next-token cross-entropy."""
+        """Teacher HF directory, .gguf or registered name. Empty: plain next-token cross-entropy, or the
+        teacher a --dataloader.teacher_cache was built from (then only checked against it)."""
         export_dir: str = ""
         """Write the trained student here (HF layout + masks + manifest) after the last step."""
         save_on_signal: bool = True
@@ -134,6 +173,10 @@ class SmeltTrainer(Trainer):
             s_vocab = config_from_hf(read_hf_config(config.student)).vocab_size
             if t_vocab != s_vocab:
                 raise SmeltError(f"--teacher vocab_size {t_vocab} != --student vocab_size {s_vocab}")
+        cache = config.dataloader.teacher_cache
+        if cache:  # the cache stands in for the teacher: none is built
+            self.teacher_source = TopKCache(cache).settings["teacher"]
+            teacher_dir = None
         if not config.hf_assets_path:  # the tokenizer travels with the student (or the teacher)
             has_tok = (Path(config.student) / "tokenizer.json").is_file()
             config.hf_assets_path = str(config.student if has_tok or not teacher_dir else teacher_dir)
@@ -146,6 +189,7 @@ class SmeltTrainer(Trainer):
         self.teacher_dir = teacher_dir
         self.student = self.model_parts[0].inner
         self.teacher = self._build_teacher(teacher_dir) if teacher_dir else None
+        self.distills = self.teacher is not None or bool(cache)
         self._hidden = self._hook_hidden(config) if config.loss.hidden_keys else None
         self.masks = MaskSet(self.student, load_masks(config.student), config.mask_learning,
                              load_dense_rows(config.student), config.training.steps)
@@ -162,7 +206,7 @@ class SmeltTrainer(Trainer):
             for s in (signal.SIGTERM, signal.SIGUSR1):
                 signal.signal(s, self._on_signal)
         logger.info("student %s (%d masked modules), teacher %s", config.student, len(self.masks),
-                    teacher_dir or "none (cross-entropy)")
+                    teacher_dir or (f"cached top-k ({cache})" if cache else "none (cross-entropy)"))
         # Per rank: shrinks with the rank count, as each rank reads only its shards (train.bench_load).
         logger.info("rank %d loaded: peak RSS %.3f GiB%s", int(os.environ.get("RANK", "0")), peak_rss_gib(),
                     f", peak device memory {torch.cuda.max_memory_allocated() / 2**30:.3f} GiB"
@@ -233,9 +277,9 @@ class SmeltTrainer(Trainer):
         with self.train_context():
             if self._hidden is not None:
                 self._hidden["on"] = True
+            teacher_logits = pop_teacher_topk(extra_kwargs)  # a cached teacher's batch, if any
             with self._autocast():
                 pred = self.model_parts[0](inputs, **extra_kwargs)
-                teacher_logits = None
                 if self.teacher is not None:
                     with torch.no_grad():
                         teacher_logits = self.teacher(inputs)
@@ -266,7 +310,7 @@ class SmeltTrainer(Trainer):
         weight = self.config.model_spec.model.mtp.weight if main is not None else 1.0
         for k, logits in enumerate(heads, start=1):
             lk, mk = self.loss_fn(logits, labels[:, k:], global_valid_tokens,
-                                  teacher_logits=None if teacher_logits is None else teacher_logits[:, k:])
+                                  teacher_logits=_shifted(teacher_logits, k))
             loss = loss + weight * lk / len(heads)
             metrics.update({f"mtp{k}_{name}": v for name, v in mk.items()})
         return loss, metrics
@@ -395,7 +439,7 @@ class SmeltTrainer(Trainer):
         cfg = self.config
         tok_src = cfg.student if (Path(cfg.student) / "tokenizer.json").is_file() else self.teacher_dir
         stage = ("mtp" if heads is not None else "qat" if frozen
-                 else "distill" if self.teacher is not None else "train")
+                 else "distill" if self.distills else "train")
         with atomic_dir(out_dir, overwrite=True) as tmp:
             save_hf(model, tmp, tokenizer=load_tokenizer(tok_src) if tok_src else None)
             if masks:
@@ -409,7 +453,7 @@ class SmeltTrainer(Trainer):
             elif (Path(cfg.student) / MTP_FILE).is_file():  # carried through; it names the model it was trained on
                 shutil.copy2(Path(cfg.student) / MTP_FILE, tmp / MTP_FILE)
             write_manifest(tmp, stage=stage, settings={
-                "student": cfg.student, "teacher": str(self.teacher_dir or ""),
+                "student": cfg.student, "teacher": str(self.teacher_dir or getattr(self, "teacher_source", "")),
                 "loss": _plain(cfg.loss), "steps": self.step, "tokens_seen": int(self.ntokens_seen),
                 "local_batch_size": cfg.training.local_batch_size, "seq_len": cfg.training.seq_len,
                 "dp_shard": self.parallel_dims.dp_shard, "optimizer": _plain(cfg.optimizer),
@@ -418,6 +462,13 @@ class SmeltTrainer(Trainer):
                 "mask_learning": {**_plain(cfg.mask_learning), **self._mask_changes(masks)},
             }, parent=parent_record(cfg.student))
         logger.info("exported the student to %s", out_dir)
+
+
+def _shifted(teacher, k: int):
+    """Positions k: of the teacher's logits [B, T, V] or cached top-k (MTP module k's targets)."""
+    if teacher is None:
+        return None
+    return teacher.shift(k) if isinstance(teacher, TeacherTopK) else teacher[:, k:]
 
 
 def _plain(cfg) -> dict:
