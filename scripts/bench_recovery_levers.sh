@@ -6,6 +6,8 @@
 #   hidden  + layer-wise normalised MSE on blocks 5,11,17,23,29 (weight 1)
 #   hidden-dense  + layer-wise normalised MSE on every third block from 2 (weight 5)
 #   fixed-seed1   fixed masks on another shuffle of the same text (the run-to-run spread)
+#   topkK   fixed masks, the teacher read from a top-K cache (distill.teacher_cache, built once into
+#           $RUNS/cache-topK with the teacher in DTYPE; its build time goes into the lever's JSON)
 # Env: START (the 2:4 artifact, default runs/smollm2/pruned-2of4), RUNS (default runs/levers),
 #      OUT (default results/bench/recovery-levers), STEPS (default 60), DTYPE (default bfloat16).
 #   scripts/bench_recovery_levers.sh fixed srste hidden
@@ -22,7 +24,17 @@ for lever in "$@"; do
     hidden) extra=(--loss.hidden_weight 1.0 --loss.hidden_layers "5,11,17,23,29") ;;
     fixed-seed1) extra=(--dataloader.seed 1) ;;
     hidden-dense) extra=(--loss.hidden_weight 5.0 --loss.hidden_layers "2,5,8,11,14,17,20,23,26,29") ;;
-    *) echo "error: lever $lever is not one of fixed, srste, hidden, hidden-dense, fixed-seed1" >&2; exit 2 ;;
+    topk[0-9]*)
+      cache="$RUNS/cache-$lever" build_s=0
+      if [ ! -d "$cache" ]; then  # the recipe's recovery layout: 2 ranks x 2 windows of 256, its mix, seed 0
+        start=$(date +%s)
+        .venv/bin/python -m distill.teacher_cache --teacher smollm2-135m --source wikitext2-valid+code-train+zh-train \
+          --seq-len 256 --windows $((STEPS * 4)) --top-k "${lever#topk}" --ranks 2 --local-batch 2 \
+          --dtype "$DTYPE" --out "$cache"
+        build_s=$(( $(date +%s) - start ))
+      fi
+      extra=(--dataloader.teacher_cache "$cache") ;;
+    *) echo "error: lever $lever is not one of fixed, srste, hidden, hidden-dense, fixed-seed1, topkK" >&2; exit 2 ;;
   esac
   art="$RUNS/$lever"
   start=$(date +%s)
@@ -30,12 +42,14 @@ for lever in "$@"; do
     --student "$START" --teacher smollm2-135m --dump_folder "$art-run" --export_dir "$art" \
     --training.steps "$STEPS" --training.mixed_precision_param "$DTYPE" "${extra[@]}"
   train_s=$(( $(date +%s) - start ))
-  .venv/bin/python -m eval.evaluate --teacher smollm2-135m --model "$art" --out "$OUT/$lever.json"
-  .venv/bin/python - "$OUT/$lever.json" "$art/manifest.json" "$train_s" "$lever" "${extra[*]:-}" <<'PY'
+  # news: the held-out English bucket (nothing trains on it), for the generalisation check
+  .venv/bin/python -m eval.evaluate --teacher smollm2-135m --model "$art" --windows en=16,zh=8,code=8,news=16 \
+    --out "$OUT/$lever.json"
+  .venv/bin/python - "$OUT/$lever.json" "$art/manifest.json" "$train_s" "$lever" "${extra[*]:-}" "${build_s:-0}" <<'PY'
 import json, sys
-out, manifest, train_s, lever, extra = sys.argv[1:]
+out, manifest, train_s, lever, extra, build_s = sys.argv[1:]
 report, m = json.load(open(out)), json.load(open(manifest))
-report["lever"] = {"name": lever, "overrides": extra, "train_wall_s": int(train_s),
+report["lever"] = {"name": lever, "overrides": extra, "train_wall_s": int(train_s), "cache_build_s": int(build_s),
                    "tokens": m["settings"]["tokens_seen"] * m["settings"]["dp_shard"],  # tokens_seen is per rank
                    "mask_learning": m["settings"].get("mask_learning")}
 json.dump(report, open(out, "w"), indent=1)
