@@ -89,7 +89,8 @@ class TopKCache:
             self._file = safe_open(str(self.path / TOPK_FILE), framework="pt")
         except (SafetensorError, OSError) as e:
             raise SmeltError(f"teacher_cache {self.path / TOPK_FILE} is not readable ({str(e).strip()})") from None
-        missing = [k for k in KEYS if k not in self._file.keys()]
+        names = set(self._file.keys())  # a safe_open handle is no dict
+        missing = [k for k in KEYS if k not in names]
         if missing:
             raise SmeltError(f"teacher_cache {self.path / TOPK_FILE}: tensor {missing[0]!r} is missing")
         self._slices = {k: self._file.get_slice(k) for k in KEYS}

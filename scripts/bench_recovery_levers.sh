@@ -18,6 +18,7 @@ START="${START:-runs/smollm2/pruned-2of4}" RUNS="${RUNS:-runs/levers}" OUT="${OU
 STEPS="${STEPS:-60}" DTYPE="${DTYPE:-bfloat16}"
 mkdir -p "$RUNS" "$OUT"
 for lever in "$@"; do
+  build_s=0
   case "$lever" in
     fixed) extra=() ;;
     srste) extra=(--mask_learning.mode srste) ;;
@@ -25,7 +26,7 @@ for lever in "$@"; do
     fixed-seed1) extra=(--dataloader.seed 1) ;;
     hidden-dense) extra=(--loss.hidden_weight 5.0 --loss.hidden_layers "2,5,8,11,14,17,20,23,26,29") ;;
     topk[0-9]*)
-      cache="$RUNS/cache-$lever" build_s=0
+      cache="$RUNS/cache-$lever"
       if [ ! -d "$cache" ]; then  # the recipe's recovery layout: 2 ranks x 2 windows of 256, its mix, seed 0
         start=$(date +%s)
         .venv/bin/python -m distill.teacher_cache --teacher smollm2-135m --source wikitext2-valid+code-train+zh-train \
@@ -45,7 +46,7 @@ for lever in "$@"; do
   # news: the held-out English bucket (nothing trains on it), for the generalisation check
   .venv/bin/python -m eval.evaluate --teacher smollm2-135m --model "$art" --windows en=16,zh=8,code=8,news=16 \
     --out "$OUT/$lever.json"
-  .venv/bin/python - "$OUT/$lever.json" "$art/manifest.json" "$train_s" "$lever" "${extra[*]:-}" "${build_s:-0}" <<'PY'
+  .venv/bin/python - "$OUT/$lever.json" "$art/manifest.json" "$train_s" "$lever" "${extra[*]:-}" "$build_s" <<'PY'
 import json, sys
 out, manifest, train_s, lever, extra, build_s = sys.argv[1:]
 report, m = json.load(open(out)), json.load(open(manifest))

@@ -3,7 +3,8 @@
     python scripts/plot_recovery_levers.py --start results/bench/recipe-bf16/pruned-2of4.json \
         --dir results/bench/recovery-levers fixed srste hidden
 Writes DIR/levers.md (lever x bucket: PPL, KL mean, KL P99, top-1) and DIR/levers.png (KL mean and P99
-against distillation tokens, per bucket, one line per lever from the one-shot start).
+against distillation tokens, per bucket, one line per lever from the one-shot start). `news` is the held-out
+English bucket; runs evaluated before it existed show "–" there and no line in its panels.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-BUCKETS = ("en", "zh", "code")
+BUCKETS = ("en", "zh", "code", "news")
 
 
 def main() -> None:
@@ -30,10 +31,11 @@ def main() -> None:
     rows = ["| lever | tokens | " + " | ".join(f"{b} PPL / KL mean / P99 / top-1" for b in BUCKETS) + " |",
             "|---|---:|" + "---|" * len(BUCKETS)]
 
+    def cell(m):
+        return "–" if m is None else f"{m['ppl']:.2f} / {m['kl_mean']:.3f} / {m['kl_p99']:.2f} / {m['top1_agree']:.3f}"
+
     def cells(report):
-        return " | ".join(f"{report['buckets'][b]['ppl']:.2f} / {report['buckets'][b]['kl_mean']:.3f} / "
-                          f"{report['buckets'][b]['kl_p99']:.2f} / {report['buckets'][b]['top1_agree']:.3f}"
-                          for b in BUCKETS)
+        return " | ".join(cell(report["buckets"].get(b)) for b in BUCKETS)
     rows.append(f"| one-shot start | 0 | {cells(start)} |")
     for name, r in runs.items():
         rows.append(f"| {name} | {r['lever']['tokens']:,} | {cells(r)} |")
@@ -43,6 +45,9 @@ def main() -> None:
         for i, (key, label) in enumerate((("kl_mean", "KL mean"), ("kl_p99", "KL P99"))):
             ax = axes[i, j]
             for name, r in runs.items():
+                if b not in r["buckets"] or b not in start["buckets"]:
+                    ax.plot([], [], "o-", label=name)  # keeps each lever's colour the same in every panel
+                    continue
                 ax.plot([0, r["lever"]["tokens"]], [start["buckets"][b][key], r["buckets"][b][key]], "o-",
                         label=name)
             ax.set_title(f"{b}: {label}")

