@@ -173,6 +173,7 @@ class Budget:
     device: str            # cpu | gpu
     activation_checkpoint: bool = False
     fake_quant: bool = False
+    teacher_top_k: int = 0  # > 0: the teacher is a top-k cache (no teacher model, no teacher logits)
 
 
 def act_bytes_per_token_layer(s: Shape, c: int) -> int:
@@ -192,7 +193,8 @@ FORMULAS = {
                    "(saved_tensors_hooks on models.llama's block) + the final norm; with activation "
                    "checkpointing: d x c per token per layer + one block; fake quantization (learned "
                    "scales) also keeps (8 + c) B per linear weight per block; mtp: one block",
-    "teacher": "stored in c B, sharded: c x params / dp, + its root and one block gathered while it runs",
+    "teacher": "stored in c B, sharded: c x params / dp, + its root and one block gathered while it runs; "
+               "a top-k cache instead: its batch, tokens x (6 k + 4) B",
     "logits": "student + teacher logits + dL/dlogits: 3 x tokens x vocab x c B, + the chunked KL's ~6 fp32 "
               "[chunk x vocab] arrays (chunk = min(1024, tokens); +2 upcasts when c = 2)",
     "runtime": "CPU: Python + torch + torchtitan + transformers, measured 0.8 GiB; GPU: CUDA context + NCCL, "
@@ -226,8 +228,9 @@ def estimate(s: Shape, b: Budget) -> dict[str, float]:
         "optimizer": 8 * trained / b.dp,
         "compute copies": copies,
         "activations": acts,
-        "teacher": c * s.params / b.dp + (c * (s.root_params + s.block_params) if b.dp > 1 else 0),
-        "logits": 3 * tokens * s.vocab * c + (6 + (2 if c < 4 else 0)) * chunk * s.vocab * 4,
+        "teacher": (tokens * (6 * b.teacher_top_k + 4) if b.teacher_top_k else
+                    c * s.params / b.dp + (c * (s.root_params + s.block_params) if b.dp > 1 else 0)),
+        "logits": (3 - bool(b.teacher_top_k)) * tokens * s.vocab * c + (6 + (2 if c < 4 else 0)) * chunk * s.vocab * 4,
         "runtime": RUNTIME_GIB[b.device] * GIB,
     }
     rows["total"] = sum(rows.values())

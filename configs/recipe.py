@@ -81,6 +81,11 @@ def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
                  *_opt("--sparsity", st.sparsity), *_opt("--calib-windows", st.calib_windows),
                  *_opt("--calib-seq-len", st.calib_seq_len), *_opt("--calib-forward", st.calib_forward),
                  *_opt("--calib-corpus", calib), "--out", st.dst]]
+    if st.kind == "teacher_cache":
+        return [[PY, "-m", "distill.teacher_cache", "--teacher", t, "--source", recipe.data.train,
+                 "--seq-len", str(st.seq_len), "--windows", str(st.windows), "--top-k", str(st.top_k),
+                 "--ranks", str(recipe.dp), "--local-batch", str(st.local_batch), "--dtype", st.dtype,
+                 "--out", st.dst]]
     if st.kind in TRAINING:
         launch = [*shlex.split(env.get("SMELT_LAUNCH_PREFIX", "")), PY, "-m", "train.launch", "--nproc",
                   str(par.nproc)]
@@ -146,8 +151,10 @@ def plan(recipe: Recipe, shape, env: dict, only: str | None = None) -> dict:
             entry.update(tokens=b["steps"] * b["global_batch"] * b["seq_len"],
                          tokens_formula=f"{b['steps']} steps x {b['global_batch']} x {b['seq_len']}")
             if shape is not None:
+                cache = next((s for s in recipe.stages if s.name == st.teacher_cache), None)
                 mem = estimate(shape, Budget(st.kind, b["local_batch"], b["seq_len"], b["dtype"], recipe.dp,
-                                             par.device, b["activation_checkpoint"], b["fake_quant"]))
+                                             par.device, b["activation_checkpoint"], b["fake_quant"],
+                                             cache.top_k if cache is not None else 0))
                 entry["memory_gib"] = {k: round(v / GIB, 2) for k, v in mem.items()}
                 if par.device == "gpu" and par.gpu_memory_gib and mem["total"] / GIB > par.gpu_memory_gib:
                     out["notes"].append(f"stage {st.name}: estimated {mem['total'] / GIB:.1f} GiB per GPU "

@@ -19,7 +19,8 @@ from core.errors import SmeltError
 from core.patterns import NMPattern
 from core.text_source import TextSourceConfig
 
-KINDS = ("teacher", "heads", "prune", "recover", "mtp", "ptq", "qat", "release", "verify", "report", "evaluate")
+KINDS = ("teacher", "heads", "prune", "teacher_cache", "recover", "mtp", "ptq", "qat", "release", "verify", "report",
+         "evaluate")
 TRAINING = ("recover", "mtp", "qat")
 MODELS = ("prune", "recover", "mtp", "ptq", "qat")  # write an HF artifact, evaluated against the teacher
 NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a stage name is a Slurm job name and a file name
@@ -76,6 +77,16 @@ class PruneStage(Stage):            # prune.run on the teacher
 
 
 @dataclass
+class TeacherCacheStage(Stage):     # distill.teacher_cache: the teacher's top-k over the training windows
+    out: str = ""                   # directory under run_dir; default: the stage name
+    top_k: int = 64
+    windows: int = 0                # steps x global batch of the longest stage reading it (fewer: epochs)
+    seq_len: int = 0                # the reading stages' seq_len
+    local_batch: int = 0            # ... and local_batch (the cache stores windows in their rank layout)
+    dtype: str = "float32"          # the teacher's compute dtype (bfloat16: what a bf16 trainer's teacher runs in)
+
+
+@dataclass
 class TrainStage(Stage):            # recover / mtp / qat (train.launch)
     steps: int = 0
     config: str = ""                # a function of train/config_registry.py
@@ -85,6 +96,7 @@ class TrainStage(Stage):            # recover / mtp / qat (train.launch)
     global_batch: int | None = None
     seq_len: int | None = None
     dtype: str | None = None        # training.mixed_precision_param
+    teacher_cache: str | None = None  # an earlier teacher_cache stage: its windows and top-k, no teacher forward
     evaluate: bool = True
     budget: dict = field(default_factory=dict, init=False)
 
@@ -118,7 +130,8 @@ class InputStage(Stage):            # verify (qat.verify of a release), evaluate
     input: str = ""
 
 
-TYPES = {"teacher": TeacherStage, "heads": HeadsStage, "prune": PruneStage, "recover": TrainStage,
+TYPES = {"teacher": TeacherStage, "heads": HeadsStage, "prune": PruneStage, "teacher_cache": TeacherCacheStage,
+         "recover": TrainStage,
          "mtp": TrainStage, "qat": TrainStage, "ptq": PtqStage, "release": ReleaseStage, "verify": InputStage,
          "evaluate": InputStage, "report": Stage}  # report: eval.report over run_dir/evals
 
@@ -239,6 +252,19 @@ def _budget(recipe: Recipe, st: TrainStage, where: str, registry: dict) -> dict:
     return b
 
 
+def _check_cache_reader(recipe: Recipe, st: TrainStage, where: str, outputs: dict) -> None:
+    """A training stage's teacher_cache: an earlier teacher_cache stage whose windows are this stage's."""
+    if outputs.get(st.teacher_cache, ("",))[0] != "teacher_cache":
+        raise SmeltError(f"{where}.teacher_cache {st.teacher_cache!r} is not an earlier teacher_cache stage")
+    cache = next(s for s in recipe.stages if s.name == st.teacher_cache)
+    b = st.budget
+    for key, mine in (("seq_len", b["seq_len"]), ("local_batch", b["local_batch"])):
+        if getattr(cache, key) != mine:
+            raise SmeltError(f"{where}.teacher_cache {cache.name!r} holds {key} {getattr(cache, key)}; this "
+                             f"stage trains with {mine}")
+    b["overrides"] += ["--dataloader.teacher_cache", cache.dst]
+
+
 def metrics_source(recipe: Recipe, st: ReleaseStage, index: int | None = None) -> str:
     """The artifact whose evaluation a release keeps: its input, or, when that is an unevaluated mtp stage
     (modules trained on a frozen main model), that stage's input, whose main model it is (qat.release checks
@@ -324,8 +350,20 @@ def check(recipe: Recipe, registry: dict) -> None:
             st.src = _input(st, where, outputs, last["model"] or "teacher", (*MODELS, "teacher"))
         elif hasattr(st, "input"):
             st.src = _input(st, where, outputs, last["model"], MODELS)
+        if isinstance(st, TeacherCacheStage):
+            st.dst = str(run / (st.out or st.name))
+            for key in ("top_k", "windows", "seq_len", "local_batch"):
+                if getattr(st, key) < 1:
+                    raise SmeltError(f"{where}.{key}={getattr(st, key)} must be >= 1")
+            if st.dtype not in ("float32", "bfloat16"):
+                raise SmeltError(f"{where}.dtype {st.dtype!r} is not float32 or bfloat16")
+            if recipe.data.train is None:
+                raise SmeltError(f"{where} needs data.train (the training text it caches the teacher on)")
+            outputs[st.name] = ("teacher_cache", st.dst)
         if isinstance(st, TrainStage):
             st.budget = _budget(recipe, st, where, registry)
+            if st.teacher_cache is not None:
+                _check_cache_reader(recipe, st, where, outputs)
         if isinstance(st, ReleaseStage) and st.metrics:
             parent = next((s for s in recipe.stages[:i] if s.dst == metrics_source(recipe, st, i)), None)
             if parent is not None and not parent.evaluate:

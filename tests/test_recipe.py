@@ -288,3 +288,47 @@ def test_missing_input_is_one_line_at_run_time(capsys, tmp_path, tiny_model_dir)
     code, _, err = _cli(capsys, *base, "--stage", "recover")
     assert code == 2 and f"input {run}/pruned-2of4 does not exist" in err and err.count("\n") == 1
     assert not run.exists()
+
+
+def _with_cache_stage(tmp_path: Path, **cache) -> Path:
+    """smollm2-cpu.toml with a teacher_cache stage before recovery, recovery and QAT reading it."""
+    text = (RECIPES / "smollm2-cpu.toml").read_text()
+    keys = {"top_k": 64, "windows": 240, "seq_len": 256, "local_batch": 2, "dtype": '"bfloat16"', **cache}
+    stage = '[[stages]]\nkind = "teacher_cache"\nname = "teacher-top64"\n' + "".join(
+        f"{k} = {v}\n" for k, v in keys.items()) + "\n"
+    text = text.replace('[[stages]]\nkind = "recover"', stage + '[[stages]]\nkind = "recover"', 1)
+    for config in ("smollm2_recover", "smollm2_qat"):
+        text = text.replace(f'config = "{config}"', f'config = "{config}"\nteacher_cache = "teacher-top64"', 1)
+    path = tmp_path / "cached.toml"
+    path.write_text(text)
+    return path
+
+
+def test_a_teacher_cache_stage_feeds_recovery_and_qat(capsys, tmp_path):
+    smol = tmp_path / "smol"
+    smol.mkdir()
+    (smol / "config.json").write_text(json.dumps(config_to_hf(FLAVORS["smollm2-135m"])))
+    run = tmp_path / "run"
+    _, plan = _dry_run(capsys, _with_cache_stage(tmp_path), tmp_path, "--set", f"run_dir={run}",
+                       "--teacher-config", str(smol))
+    stages = {s["name"]: s for s in plan["stages"]}
+    assert stages["teacher-top64"]["commands"] == [
+        f"python -m distill.teacher_cache --teacher smollm2-135m --source {MIX} --seq-len 256 --windows 240 "
+        f"--top-k 64 --ranks 2 --local-batch 2 --dtype bfloat16 --out {run}/teacher-top64"]
+    assert stages["teacher-top64"]["evaluation"] is None
+    for name in ("recover", "qat"):
+        assert stages[name]["commands"][0].endswith(f"--dataloader.teacher_cache {run}/teacher-top64"), name
+        assert stages[name]["memory_gib"]["teacher"] < 0.05  # its batch of top-k, no teacher model
+    plain = {s["name"]: s for s in _dry_run(capsys, RECIPES / "smollm2-cpu.toml", tmp_path,
+                                            "--teacher-config", str(smol))[1]["stages"]}
+    assert plain["recover"]["memory_gib"]["teacher"] > 0.1
+    assert plain["recover"]["memory_gib"]["total"] > stages["recover"]["memory_gib"]["total"]
+    for cache, message in (({"seq_len": 512}, "teacher_cache 'teacher-top64' holds seq_len 512; this stage "
+                                              "trains with 256"),
+                           ({"top_k": 0}, "stages[3].top_k=0 must be >= 1"),
+                           ({"dtype": '"float16"'}, "stages[3].dtype 'float16' is not float32 or bfloat16")):
+        code, out, err = _cli(capsys, _with_cache_stage(tmp_path, **cache), "--dry-run")
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = _cli(capsys, _with_cache_stage(tmp_path), "--dry-run", "--set",
+                        "stages.recover.teacher_cache=prune")
+    assert code == 2 and "stages[4].teacher_cache 'prune' is not an earlier teacher_cache stage" in err
