@@ -36,7 +36,7 @@ from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from core.artifact import parent_record, write_manifest
+from core.artifact import parent_record, weights_fingerprint, write_manifest
 from core.device import peak_rss_gib
 from core.dtensor import full, local
 from core.errors import SmeltError
@@ -107,11 +107,9 @@ def check_teacher_cache(config: SmeltTrainer.Config) -> TopKCache:
                          f"temperature-1 log-probs), got {loss.kind} / {loss.temperature}")
     if loss.hidden_weight > 0:
         raise SmeltError(f"{what}: --loss.hidden_weight needs the teacher's blocks, which a cache does not hold")
-    if config.teacher:
-        from core.artifact import weights_fingerprint
-        if weights_fingerprint(resolve_teacher(config.teacher, download=False)) != st["teacher_fingerprint"]:
-            raise SmeltError(f"{what} was built from another teacher ({st['teacher']}) than --teacher "
-                             f"{config.teacher}")
+    teacher = resolve_teacher(config.teacher, download=False) if config.teacher else None
+    if teacher is not None and weights_fingerprint(teacher) != st["teacher_fingerprint"]:
+        raise SmeltError(f"{what} was built from another teacher ({st['teacher']}) than --teacher {config.teacher}")
     s_vocab = config_from_hf(read_hf_config(config.student)).vocab_size
     if s_vocab != st["vocab_size"]:
         raise SmeltError(f"{what}: its teacher's vocab_size {st['vocab_size']} != --student vocab_size {s_vocab}")
