@@ -128,7 +128,8 @@ def test_the_trainer_holds_the_cache_to_the_run(dirs, tmp_path):
     for over, msg in (({"training.seq_len": 64}, "holds 32-token windows; --training.seq_len is 64"),
                       ({"dataloader.seed": 3}, "holds --dataloader.source wikitext2-valid seed 0"),
                       ({"loss.kind": "reverse_kl"}, "--loss.kind must be forward_kl"),
-                      ({"dataloader.teacher_cache": str(tmp_path)}, "no teacher_topk.safetensors")):
+                      ({"dataloader.teacher_cache": str(tmp_path)}, "no teacher_topk.safetensors"),
+                      ({"teacher": str(dirs / "student")}, "was built from another teacher")):
         with pytest.raises(SmeltError, match=msg):
             check_config(cfg(**over))
     proc = torchrun(dirs, "mismatch", "--dataloader.teacher_cache", str(dirs / "cache-8"), "--training.seq_len", "16")
