@@ -95,8 +95,9 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
     stages = {s["name"]: s for s in plan["stages"]}
     assert list(stages) == ["teacher", "heads", "prune", "recover", "quantize", "qat", "release", "verify",
                             "report"]
-    assert stages["teacher"]["commands"] == [f"python -m models.teacher {t}", "python -m core.fetched_corpora zh-train"]
-    assert stages["teacher"]["evaluation"].endswith(f"--out {run}/evals/teacher.json --wandb --needle")
+    assert stages["teacher"]["commands"] == [f"python -m models.teacher {t}", "python -m core.fetched_corpora zh-train en-news"]
+    windows = " --seq-len 512 --windows en=16,zh=8,code=8,news=16 --batch-size 4"  # the recipe's [eval]
+    assert stages["teacher"]["evaluation"].endswith(f"--out {run}/evals/teacher.json --wandb --needle{windows}")
     assert stages["heads"]["evaluation"] is None
     for name, cmds in expected.items():
         assert stages[name]["commands"] == cmds, name
@@ -104,7 +105,7 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
                       ("qat", "qat-2of4")):
         assert stages[name]["evaluation"] == (f"python -m eval.evaluate {t} --model {run}/{art} "
                                               f"--out {run}/evals/{art}.json --wandb"
-                                              + " --needle" * (name == "qat"))
+                                              + " --needle" * (name == "qat") + windows)
     assert stages["recover"]["tokens"] == 60 * 4 * 256 and stages["prune"]["tokens"] == 128 * 512
     _check_memory(plan, ["recover", "qat"])
     assert not run.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "smollm2-config"]
