@@ -9,6 +9,8 @@
 - Cached teacher (`--dataloader.teacher_cache DIR`, distill.teacher_cache): the windows and the teacher's
   top-k log-probs come from the cache, no teacher is built or run, and the loss is the top-k KL
   (distill.losses.topk_forward_kl); check_config holds the cache to the run's settings.
+- On-policy steps (`--on_policy.share`, train.on_policy): a share of the steps train on windows the
+  student continued itself from the data's first tokens, scored by the teacher (GKD).
 - Layer-wise targets (`--loss.hidden_weight`, `--loss.hidden_layers`): forward hooks keep the listed
   blocks' outputs of student and teacher (blocks paired through train.lineage after depth removal), and
   distill.losses.hidden_divergence adds their distance to the loss.
@@ -36,7 +38,7 @@ from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from core.artifact import parent_record, weights_fingerprint, write_manifest
+from core.artifact import parent_record, write_manifest
 from core.device import peak_rss_gib
 from core.dtensor import full, local
 from core.errors import SmeltError
@@ -52,68 +54,14 @@ from models.teacher import resolve_teacher
 from qat.fake_quant import fake_quant_modules, freeze_weight
 from qat.qparams import QPARAMS_FILE, save_qparams
 from qat.quantizers import dequantize
-from train.lineage import teacher_blocks
+from train.checks import check_teacher_cache, hidden_pairs
 from train.masks import MaskLearningConfig, MaskSet, changed_groups
+from train.on_policy import OnPolicyConfig, student_windows
 from train.titan import fsdp_mesh, pop_teacher_topk, shard_model
 
 
 class TrainingStopped(SmeltError):
     """Training cannot continue (non-finite loss or gradient); the message names the step (one line, exit 2)."""
-
-
-def hidden_pairs(config: SmeltTrainer.Config) -> dict[str, int]:
-    """{teacher block key: student block index} for the layer-wise loss's blocks; every problem is one
-    line naming the setting."""
-    keys = config.loss.hidden_keys
-    if not keys or not config.loss.hidden_weight > 0:  # checked here too: the CLI may bypass the config's own
-        raise SmeltError(f"--loss.hidden_weight={config.loss.hidden_weight} must be > 0 exactly when "
-                         f"--loss.hidden_layers names blocks (got {config.loss.hidden_layers!r})")
-    if not config.teacher:
-        raise SmeltError("--loss.hidden_weight needs a --teacher (layer-wise targets are its blocks)")
-    if config.model_spec.model.mtp.depth:
-        raise SmeltError("--loss.hidden_weight: MTP stages train modules on a frozen main model, not its blocks")
-    s_cfg = config_from_hf(read_hf_config(config.student))
-    t_cfg = config_from_hf(read_hf_config(resolve_teacher(config.teacher, download=False)))
-    if s_cfg.dim != t_cfg.dim:
-        raise SmeltError(f"--loss.hidden_layers: student width {s_cfg.dim} != teacher width {t_cfg.dim}; "
-                         f"their hidden states cannot be compared")
-    student_of = {str(t): i for i, t in enumerate(teacher_blocks(config.student, s_cfg.n_layers, t_cfg.n_layers))}
-    missing = [k for k in keys if k not in student_of]
-    if missing:
-        raise SmeltError(f"--loss.hidden_layers: teacher block{'s' * (len(missing) > 1)} {', '.join(missing)} "
-                         f"{'are' if len(missing) > 1 else 'is'} not in the student (it keeps teacher blocks "
-                         f"{', '.join(student_of)})")
-    return {k: student_of[k] for k in keys}
-
-
-def check_teacher_cache(config: SmeltTrainer.Config) -> TopKCache:
-    """The cache against the run: same text (source, seed), window length and teacher; a loss it can feed.
-    Every problem is one line naming the setting."""
-    what, data = f"--dataloader.teacher_cache {config.dataloader.teacher_cache}", config.dataloader
-    try:
-        cache = TopKCache(data.teacher_cache)
-    except SmeltError as e:
-        raise SmeltError(str(e).replace("teacher_cache", "--dataloader.teacher_cache", 1)) from None
-    st = cache.settings
-    if (st["source"], st["seed"]) != (data.source, data.seed):
-        raise SmeltError(f"{what} holds --dataloader.source {st['source']} seed {st['seed']}, the run asks for "
-                         f"{data.source} seed {data.seed}")
-    if cache.seq_len != config.training.seq_len:
-        raise SmeltError(f"{what} holds {cache.seq_len}-token windows; --training.seq_len is "
-                         f"{config.training.seq_len}")
-    loss = config.loss
-    if loss.kind != "forward_kl" or loss.temperature != 1.0:
-        raise SmeltError(f"{what}: --loss.kind must be forward_kl and --loss.temperature 1 (the cache holds "
-                         f"temperature-1 log-probs), got {loss.kind} / {loss.temperature}")
-    if loss.hidden_weight > 0:
-        raise SmeltError(f"{what}: --loss.hidden_weight needs the teacher's blocks, which a cache does not hold")
-    teacher = resolve_teacher(config.teacher, download=False) if config.teacher else None
-    if teacher is not None and weights_fingerprint(teacher) != st["teacher_fingerprint"]:
-        raise SmeltError(f"{what} was built from another teacher ({st['teacher']}) than --teacher {config.teacher}")
-    s_vocab = config_from_hf(read_hf_config(config.student)).vocab_size
-    if s_vocab != st["vocab_size"]:
-        raise SmeltError(f"{what}: its teacher's vocab_size {st['vocab_size']} != --student vocab_size {s_vocab}")
-    return cache
 
 
 def check_config(config: SmeltTrainer.Config) -> None:
@@ -140,6 +88,16 @@ def check_config(config: SmeltTrainer.Config) -> None:
         check_teacher_cache(config)
     if config.loss.hidden_keys or config.loss.hidden_weight:
         hidden_pairs(config)
+    if config.on_policy.share > 0:
+        what, model = f"--on_policy.share {config.on_policy.share}", config.model_spec.model
+        if not config.teacher or config.dataloader.teacher_cache:
+            raise SmeltError(f"{what} needs a --teacher to score the student's text (a teacher cache holds "
+                             f"only the data's windows)")
+        if model.fake_quant.enable or model.mtp.depth:
+            raise SmeltError(f"{what} is for recovery: QAT and MTP stages train on the data's windows")
+        if config.on_policy.prompt_tokens >= config.training.seq_len + 1:
+            raise SmeltError(f"--on_policy.prompt_tokens={config.on_policy.prompt_tokens} leaves nothing to "
+                             f"sample in {config.training.seq_len + 1}-token windows (--training.seq_len + 1)")
     ck = config.checkpoint
     if ck.enable and ck.load_step > 0:
         step_dir = Path(config.dump_folder) / ck.folder / f"step-{ck.load_step}"
@@ -161,6 +119,8 @@ class SmeltTrainer(Trainer):
         """Checkpoint and exit cleanly on SIGTERM / SIGUSR1."""
         mask_learning: MaskLearningConfig = field(default_factory=MaskLearningConfig)
         """Fixed masks (default) or masks re-selected during training (SR-STE; train.masks)."""
+        on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
+        """A share of the steps on the student's own continuations, scored by the teacher (train.on_policy)."""
 
     def __init__(self, config: Config):
         check_config(config)
@@ -183,6 +143,7 @@ class SmeltTrainer(Trainer):
         self._stop_requested = False
         self._step_metrics: dict[str, torch.Tensor] = {}
         self._loss_finite: torch.Tensor | None = None
+        self._policy, self._policy_step, self._microbatch = None, -1, 0  # the on-policy sampler's student copy
         super().__init__(config)
         self.teacher_dir = teacher_dir
         self.student = self.model_parts[0].inner
@@ -271,7 +232,36 @@ class SmeltTrainer(Trainer):
         return torch.autocast(self.device.type, dtype=dtype)
 
     # ---- one step ------------------------------------------------------------------------------
+    def _student_windows(self, inputs, labels):
+        """This micro-batch's windows continued by the student (an on-policy step)."""
+        if self._policy_step != self.step:  # one gather per step: a collective, every rank, same order
+            self._policy = self._gather_student(self._policy)
+            self._policy_step, self._microbatch = self.step, 0
+        cfg, rank = self.config.on_policy, dist.get_rank() if dist.is_initialized() else 0
+        seed = ((cfg.seed * 1_000_003 + self.step) * 1_009 + rank) * 101 + self._microbatch
+        self._microbatch += 1
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        return student_windows(self._policy, inputs, labels, cfg, g)
+
+    @torch.no_grad()
+    def _gather_student(self, copy: Transformer | None) -> Transformer:
+        """The student's current weights in a whole, unsharded model on this rank's device."""
+        copy = copy if copy is not None else self._cpu_model().to(self.device)
+        if copy.cfg.tie_embeddings:
+            copy.output.weight = copy.tok_embeddings.weight  # .to() keeps the tie; said again for clarity
+        params = dict(copy.named_parameters())
+        for name, p in self.student.named_parameters():
+            t = full(p.detach())
+            if name in params:
+                params[name].copy_(t)
+            del t
+        copy.init_rope(self.device)
+        return copy
+
     def _forward_backward_body(self, inputs, labels, global_valid_tokens, extra_kwargs):
+        on_policy = self.config.on_policy.is_on_policy(self.step)
+        if on_policy:
+            inputs, labels = self._student_windows(inputs, labels)
         with self.train_context():
             if self._hidden is not None:
                 self._hidden["on"] = True
@@ -290,6 +280,8 @@ class SmeltTrainer(Trainer):
             if self._hidden is not None:
                 hidden_loss, metrics["hidden"] = self._hidden_loss(labels, global_valid_tokens)
                 loss = loss + hidden_loss
+            if self.config.on_policy.share > 0:
+                metrics["on_policy"] = torch.tensor(float(on_policy), device=loss.device)
             del pred, teacher_logits
             with spmd.no_typecheck():
                 loss.backward()
@@ -458,6 +450,7 @@ class SmeltTrainer(Trainer):
                 "fake_quant": _plain(cfg.model_spec.model.fake_quant), "mtp": _plain(cfg.model_spec.model.mtp),
                 "data": _plain(cfg.dataloader),
                 "mask_learning": {**_plain(cfg.mask_learning), **self._mask_changes(masks)},
+                "on_policy": _plain(cfg.on_policy),
             }, parent=parent_record(cfg.student))
         logger.info("exported the student to %s", out_dir)
 
