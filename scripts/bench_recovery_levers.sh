@@ -6,6 +6,8 @@
 #   hidden  + layer-wise normalised MSE on blocks 5,11,17,23,29 (weight 1)
 #   hidden-dense  + layer-wise normalised MSE on every third block from 2 (weight 5)
 #   fixed-seed1   fixed masks on another shuffle of the same text (the run-to-run spread)
+#   onpolicy      fixed masks, a quarter of the steps on the student's own continuations of the data's
+#                 first 32 tokens, scored by the teacher (train.on_policy)
 #   topkK   fixed masks, the teacher read from a top-K cache (distill.teacher_cache, built once into
 #           $RUNS/cache-topK with the teacher in DTYPE; its build time goes into the lever's JSON)
 # Env: START (the 2:4 artifact, default runs/smollm2/pruned-2of4), RUNS (default runs/levers),
@@ -24,6 +26,7 @@ for lever in "$@"; do
     srste) extra=(--mask_learning.mode srste) ;;
     hidden) extra=(--loss.hidden_weight 1.0 --loss.hidden_layers "5,11,17,23,29") ;;
     fixed-seed1) extra=(--dataloader.seed 1) ;;
+    onpolicy) extra=(--on_policy.share 0.25 --on_policy.prompt_tokens 32) ;;
     hidden-dense) extra=(--loss.hidden_weight 5.0 --loss.hidden_layers "2,5,8,11,14,17,20,23,26,29") ;;
     topk[0-9]*)
       cache="$RUNS/cache-$lever"
@@ -35,7 +38,7 @@ for lever in "$@"; do
         build_s=$(( $(date +%s) - start ))
       fi
       extra=(--dataloader.teacher_cache "$cache") ;;
-    *) echo "error: lever $lever is not one of fixed, srste, hidden, hidden-dense, fixed-seed1, topkK" >&2; exit 2 ;;
+    *) echo "error: lever $lever is not one of fixed, srste, hidden, hidden-dense, fixed-seed1, onpolicy, topkK" >&2; exit 2 ;;
   esac
   art="$RUNS/$lever"
   start=$(date +%s)
