@@ -1,17 +1,18 @@
 """The teacher's top-k cache: training windows with the teacher's k most likely next tokens per position.
 
 A distillation step that reads this cache needs no teacher forward. Per position it keeps the k largest
-log-probabilities (ids and values) and the log of the mass left over (`tail`), so the teacher's
+log-probabilities (ids and values) and the log of the mass left over (`rest`), so the teacher's
 distribution is kept exactly on the partition {top-k tokens, everything else}: the loss on it
 (distill.losses.topk_forward_kl) is a proper KL between the two coarsened distributions, a lower bound of
-the full-vocabulary KL that equals it when the student's tail matches the teacher's up to its shape.
+the full-vocabulary KL, equal to it when the student spreads the rest's mass over its tokens as the
+teacher does.
 
 Layout of a cache directory (`python -m distill.teacher_cache` writes it; docs/teacher-cache.md):
   teacher_topk.safetensors
     tokens    int32 [W, L + 1]   BOS-led windows; the trainer's input is [:, :-1], its labels [:, 1:]
     ids       int32 [W, L, k]    the teacher's top-k next-token ids at each input position, most likely first
     logprobs  fp16  [W, L, k]    their log-probabilities (temperature 1, full-vocabulary softmax in fp32)
-    tail      fp32  [W, L]       log(1 - sum of the top-k probabilities), from the fp32 softmax
+    rest      fp32  [W, L]       log(1 - sum of the top-k probabilities), from the fp32 softmax
   manifest.json  stage "teacher_topk": teacher (path, weights fingerprint), source, seed, seq_len, top_k,
                  the rank layout the windows were drawn in, kept-mass statistics
 Windows are stored in the order a run with `ranks` data-parallel ranks and `local_batch` windows per rank
@@ -31,15 +32,17 @@ from core.errors import SmeltError
 
 TOPK_FILE = "teacher_topk.safetensors"
 STAGE = "teacher_topk"
-KEYS = ("tokens", "ids", "logprobs", "tail")
+KEYS = ("tokens", "ids", "logprobs", "rest")
+SETTINGS = ("teacher", "teacher_fingerprint", "source", "seed", "text", "seq_len", "top_k", "vocab_size", "ranks",
+            "local_batch")
 
 
 @dataclass(frozen=True)
 class TeacherTopK:
-    """The teacher's top-k view of a batch: ids/logprobs [..., k], tail [...] (log of the remaining mass)."""
+    """The teacher's top-k view of a batch: ids/logprobs [..., k], rest [...] (log of the remaining mass)."""
     ids: torch.Tensor
     logprobs: torch.Tensor
-    tail: torch.Tensor
+    rest: torch.Tensor
 
     @property
     def k(self) -> int:
@@ -47,19 +50,19 @@ class TeacherTopK:
 
     def flatten(self) -> TeacherTopK:
         """Positions as rows: [N, k] and [N]."""
-        return TeacherTopK(self.ids.reshape(-1, self.k), self.logprobs.reshape(-1, self.k), self.tail.reshape(-1))
+        return TeacherTopK(self.ids.reshape(-1, self.k), self.logprobs.reshape(-1, self.k), self.rest.reshape(-1))
 
     def rows(self, start: int, end: int) -> TeacherTopK:
-        return TeacherTopK(self.ids[start:end], self.logprobs[start:end], self.tail[start:end])
+        return TeacherTopK(self.ids[start:end], self.logprobs[start:end], self.rest[start:end])
 
-    def shift(self, k: int) -> TeacherTopK:
-        """Positions k: of [B, T, ...] (an MTP module k's targets)."""
-        return TeacherTopK(self.ids[:, k:], self.logprobs[:, k:], self.tail[:, k:])
+    def shift(self, offset: int) -> TeacherTopK:
+        """Positions offset: of [B, T, ...] (MTP module `offset`'s targets)."""
+        return TeacherTopK(self.ids[:, offset:], self.logprobs[:, offset:], self.rest[:, offset:])
 
     def coarse_logprobs(self) -> torch.Tensor:
         """[..., k + 1] fp32 log-probabilities of (top-k tokens, the rest), renormalised: the stored fp16 values
-        and the fp32 tail need not sum to exactly 1."""
-        both = torch.cat([self.logprobs.float(), self.tail.float().unsqueeze(-1)], dim=-1)
+        and the fp32 rest need not sum to exactly 1."""
+        both = torch.cat([self.logprobs.float(), self.rest.float().unsqueeze(-1)], dim=-1)
         return torch.log_softmax(both, dim=-1)
 
 
@@ -85,6 +88,10 @@ class TopKCache:
         if manifest["stage"] != STAGE:
             raise SmeltError(f"teacher_cache {self.path}: manifest stage {manifest['stage']!r} is not {STAGE!r}")
         self.settings = manifest["settings"]
+        missing = [k for k in SETTINGS if k not in self.settings]
+        if missing:
+            raise SmeltError(f"teacher_cache {self.path}: manifest settings lack {missing[0]!r} (not a cache this "
+                             f"version of distill.teacher_cache wrote)")
         try:  # kept open: windows are read (memory-mapped) batch by batch, never the whole cache at once
             self._file = safe_open(str(self.path / TOPK_FILE), framework="pt")
         except (SafetensorError, OSError) as e:
@@ -97,10 +104,13 @@ class TopKCache:
         w, l1 = self._slices["tokens"].get_shape()
         self.n_windows, self.seq_len = w, l1 - 1
         self.top_k = self._slices["ids"].get_shape()[-1]
-        if self._slices["ids"].get_shape() != [w, self.seq_len, self.top_k] or self.top_k != self.settings["top_k"]:
+        want = {"ids": [w, self.seq_len, self.top_k], "logprobs": [w, self.seq_len, self.top_k],
+                "rest": [w, self.seq_len]}
+        if any(self._slices[k].get_shape() != v for k, v in want.items()) or self.top_k != self.settings["top_k"]:
             raise SmeltError(f"teacher_cache {self.path}: tensor shapes disagree with each other or the manifest")
 
     def windows(self, idx: list[int]) -> tuple[torch.Tensor, TeacherTopK]:
-        """tokens [n, L + 1] int64 and the teacher's top-k at those windows' input positions."""
+        """tokens [n, L + 1] int64 and the teacher's top-k at those windows' input positions (ids stay int32:
+        the loss widens them where it gathers)."""
         rows = {k: torch.stack([self._slices[k][i:i + 1][0] for i in idx]) for k in KEYS}
-        return rows["tokens"].long(), TeacherTopK(rows["ids"].long(), rows["logprobs"], rows["tail"])
+        return rows["tokens"].long(), TeacherTopK(rows["ids"], rows["logprobs"], rows["rest"])

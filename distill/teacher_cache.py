@@ -31,6 +31,11 @@ from models.teacher import DEFAULT_TEACHER, resolve_teacher
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def text_settings(source: TextSourceConfig) -> dict:
+    """The stream settings besides source and seed that decide the windows (a run must match them)."""
+    return {k: getattr(source, k) for k in ("text_field", "split", "shuffle_buffer", "sample_by")}
+
+
 def stream_windows(source: TextSourceConfig, tokenizer, seq_len: int, n: int, ranks: int,
                    local_batch: int) -> torch.Tensor:
     """[n, seq_len + 1]: round by round, rank 0's local batch, rank 1's, ... of the ranks' text streams."""
@@ -51,9 +56,9 @@ def build_cache(teacher_dir: Path, windows: torch.Tensor, top_k: int, dtype: tor
     parts = []
     for b in tqdm(windows.split(batch_size), desc=f"teacher top-{top_k}"):
         t = topk_from_logits(teacher(b[:, :-1].to(device)).float(), top_k)
-        parts.append((t.ids.cpu(), t.logprobs.cpu(), t.tail.cpu()))
-    ids, logprobs, tail = (torch.cat(x) for x in zip(*parts))
-    return {"tokens": windows.to(torch.int32), "ids": ids, "logprobs": logprobs, "tail": tail}
+        parts.append((t.ids.cpu(), t.logprobs.cpu(), t.rest.cpu()))
+    ids, logprobs, rest = (torch.cat(x) for x in zip(*parts))
+    return {"tokens": windows.to(torch.int32), "ids": ids, "logprobs": logprobs, "rest": rest}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -93,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         write_manifest(tmp, stage=STAGE, settings={
             "teacher": str(teacher_dir), "teacher_fingerprint": weights_fingerprint(teacher_dir),
             "source": args.source, "corpora": corpus_record(args.source) if is_corpus_mix(args.source) else None,
-            "seed": args.seed, "seq_len": args.seq_len, "windows": args.windows, "top_k": args.top_k,
+            "seed": args.seed, "text": text_settings(source), "seq_len": args.seq_len, "windows": args.windows, "top_k": args.top_k,
             "vocab_size": vocab, "ranks": args.ranks, "local_batch": args.local_batch, "dtype": args.dtype,
         }, metrics={
             "positions": kept.numel(), "kept_mass_mean": float(kept.mean()),

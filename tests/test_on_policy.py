@@ -86,6 +86,11 @@ def test_on_policy_is_refused_without_a_teacher_model_or_outside_recovery(dirs):
     cfg.student, cfg.teacher, cfg.on_policy = str(dirs / "student"), str(dirs / "teacher"), OnPolicyConfig(share=0.5)
     with pytest.raises(SmeltError, match="is for recovery"):
         check_config(cfg)
+    cfg = debug_distill()
+    cfg.student, cfg.teacher, cfg.on_policy = str(dirs / "student"), str(dirs / "teacher"), OnPolicyConfig(share=0.5)
+    cfg.loss.ce_weight = 0.5
+    with pytest.raises(SmeltError, match="ce_weight 0.5 would train the student on its own samples"):
+        check_config(cfg)
     proc = torchrun(dirs, "long-prompt", "--on_policy.share", "0.5", "--on_policy.prompt_tokens", "33")
     assert proc.returncode != 0 and "prompt_tokens=33 leaves nothing to sample in 33-token windows" in proc.stderr
     assert not (dirs / "long-prompt-out").exists()

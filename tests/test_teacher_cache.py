@@ -54,7 +54,7 @@ def test_distill_loss_takes_a_cached_teacher_only_for_forward_kl_at_t1():
     with pytest.raises(SmeltError, match="cached teacher .* needs loss.kind=forward_kl"):
         DistillLoss(DistillLossConfig(kind="reverse_kl"))(s, cached)
     with pytest.raises(SmeltError, match="cached teacher has 4 positions, the student.s batch 16"):
-        DistillLoss()(s, TeacherTopK(cached.ids[:1, :4], cached.logprobs[:1, :4], cached.tail[:1, :4]))
+        DistillLoss()(s, TeacherTopK(cached.ids[:1, :4], cached.logprobs[:1, :4], cached.rest[:1, :4]))
 
 
 def _build(dirs, out, *extra: str) -> subprocess.CompletedProcess:
@@ -127,6 +127,7 @@ def test_the_trainer_holds_the_cache_to_the_run(dirs, tmp_path):
     check_config(cfg())
     for over, msg in (({"training.seq_len": 64}, "holds 32-token windows; --training.seq_len is 64"),
                       ({"dataloader.seed": 3}, "holds --dataloader.source wikitext2-valid seed 0"),
+                      ({"dataloader.shuffle_buffer": 0}, "built with --dataloader.shuffle_buffer 64"),
                       ({"loss.kind": "reverse_kl"}, "--loss.kind must be forward_kl"),
                       ({"dataloader.teacher_cache": str(tmp_path)}, "no teacher_topk.safetensors"),
                       ({"teacher": str(dirs / "student")}, "was built from another teacher")):

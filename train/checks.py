@@ -53,6 +53,10 @@ def check_teacher_cache(config: SmeltTrainer.Config) -> TopKCache:
     if (st["source"], st["seed"]) != (data.source, data.seed):
         raise SmeltError(f"{what} holds --dataloader.source {st['source']} seed {st['seed']}, the run asks for "
                          f"{data.source} seed {data.seed}")
+    for key, cached in st["text"].items():  # the cache was built with the stream's defaults for these
+        if getattr(data, key) != cached:
+            raise SmeltError(f"{what} was built with --dataloader.{key} {cached!r}, the run asks for "
+                             f"{getattr(data, key)!r}")
     if cache.seq_len != config.training.seq_len:
         raise SmeltError(f"{what} holds {cache.seq_len}-token windows; --training.seq_len is "
                          f"{config.training.seq_len}")

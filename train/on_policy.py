@@ -50,9 +50,9 @@ def student_windows(policy, inputs: torch.Tensor, labels: torch.Tensor, cfg: OnP
     """(inputs, labels) of windows that keep the data's first prompt_tokens tokens and continue with the
     student's samples, the same shape as the data's."""
     window = torch.cat([inputs, labels[:, -1:]], dim=1)  # [B, L + 1]
-    if cfg.prompt_tokens >= window.shape[1]:
+    if cfg.prompt_tokens >= window.shape[1]:  # train.trainer.check_config says so before any rank starts
         raise SmeltError(f"--on_policy.prompt_tokens={cfg.prompt_tokens} leaves nothing to sample in "
-                         f"{window.shape[1]}-token windows (--training.seq_len + 1)")
+                         f"{window.shape[1]}-token windows")
     prompt = window[:, :cfg.prompt_tokens]
     out = sample(policy, prompt, window.shape[1] - cfg.prompt_tokens, cfg.temperature, cfg.top_p,
                  generator=generator)

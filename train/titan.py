@@ -188,7 +188,7 @@ class HFTokenizer(BaseTokenizer):
         return len(self.hf)
 
 
-TOPK_KEYS = ("teacher_topk_ids", "teacher_topk_logprobs", "teacher_topk_tail")  # batch keys of a cached teacher
+TOPK_KEYS = ("teacher_topk_ids", "teacher_topk_logprobs", "teacher_topk_rest")  # batch keys of a cached teacher
 
 
 def pop_teacher_topk(extra_kwargs: dict) -> TeacherTopK | None:
@@ -202,21 +202,33 @@ class CachedWindows:
     """A teacher cache's windows for one rank, in the layout they were drawn (core.teacher_topk): call c
     of rank r reads windows c * world * b + r * b + [0, b), wrapping around at the cache's end."""
 
-    def __init__(self, path: str, dp_rank: int, dp_world_size: int):
+    def __init__(self, path: str, dp_rank: int, dp_world_size: int, local_batch: int):
         self.cache, self.rank, self.world, self.calls = TopKCache(path), dp_rank, dp_world_size, 0
+        built = (self.cache.settings["ranks"], self.cache.settings["local_batch"])
+        if built != (dp_world_size, local_batch) and dp_rank == 0:
+            logger.warning("teacher cache %s was drawn for %d ranks x %d windows, this run reads %d x %d: the "
+                           "same windows in another order than an uncached run's", path, *built, dp_world_size,
+                           local_batch)
 
     def next_batch(self, b: int) -> tuple[torch.Tensor, TeacherTopK]:
         base = self.calls * self.world * b + self.rank * b
         self.calls += 1
         return self.cache.windows([(base + j) % self.cache.n_windows for j in range(b)])
 
+    def _layout(self) -> dict:
+        return {"teacher_cache": str(self.cache.path), "windows": self.cache.n_windows, "dp_world_size": self.world}
+
     def state_dict(self) -> dict:
-        return {"teacher_cache_calls": self.calls}
+        return {"teacher_cache_calls": self.calls, **self._layout()}
 
     def load_state_dict(self, state: dict) -> None:
         if "teacher_cache_calls" not in state:
             raise SmeltError("the checkpoint's data position is a text stream's, not a teacher cache's: resume "
                              "with the --dataloader.teacher_cache setting it was trained with")
+        for key, value in self._layout().items():
+            if state.get(key) != value:
+                raise SmeltError(f"teacher cache state was saved with {key}={state.get(key)!r}, this run has "
+                                 f"{value!r}; resume needs the same cache and data-parallel layout")
         self.calls = int(state["teacher_cache_calls"])
 
 
@@ -242,7 +254,7 @@ class StreamDataLoader(BaseDataLoader):
                  local_batch_size: int, snapshot_every_n_steps=None):
         self.bs = local_batch_size
         if config.teacher_cache:
-            self.stream = CachedWindows(config.teacher_cache, dp_rank, dp_world_size)
+            self.stream = CachedWindows(config.teacher_cache, dp_rank, dp_world_size, local_batch_size)
         else:
             self.stream = PackedTextStream(config, tokenizer.hf, seq_len, dp_rank=dp_rank,
                                            dp_world_size=dp_world_size)
@@ -253,7 +265,7 @@ class StreamDataLoader(BaseDataLoader):
             batch = self.stream.next_batch(self.bs)
             if isinstance(batch, tuple):
                 tokens, t = batch
-                yield dict(zip(("input", *TOPK_KEYS), (tokens[:, :-1], t.ids, t.logprobs, t.tail))), tokens[:, 1:]
+                yield dict(zip(("input", *TOPK_KEYS), (tokens[:, :-1], t.ids, t.logprobs, t.rest))), tokens[:, 1:]
             else:
                 yield {"input": batch[:, :-1]}, batch[:, 1:]
 

@@ -95,6 +95,9 @@ def check_config(config: SmeltTrainer.Config) -> None:
                              f"only the data's windows)")
         if model.fake_quant.enable or model.mtp.depth:
             raise SmeltError(f"{what} is for recovery: QAT and MTP stages train on the data's windows")
+        if config.loss.ce_weight > 0:
+            raise SmeltError(f"{what}: --loss.ce_weight {config.loss.ce_weight} would train the student on its "
+                             f"own samples as targets; on-policy steps learn from the teacher's KL only")
         if config.on_policy.prompt_tokens >= config.training.seq_len + 1:
             raise SmeltError(f"--on_policy.prompt_tokens={config.on_policy.prompt_tokens} leaves nothing to "
                              f"sample in {config.training.seq_len + 1}-token windows (--training.seq_len + 1)")
@@ -135,6 +138,8 @@ class SmeltTrainer(Trainer):
         if cache:  # the cache stands in for the teacher: none is built
             self.teacher_source = TopKCache(cache).settings["teacher"]
             teacher_dir = None
+            if not config.hf_assets_path and not (Path(config.student) / "tokenizer.json").is_file():
+                config.hf_assets_path = self.teacher_source  # the tokenizer the cache was built with
         if not config.hf_assets_path:  # the tokenizer travels with the student (or the teacher)
             has_tok = (Path(config.student) / "tokenizer.json").is_file()
             config.hf_assets_path = str(config.student if has_tok or not teacher_dir else teacher_dir)
@@ -238,7 +243,7 @@ class SmeltTrainer(Trainer):
             self._policy = self._gather_student(self._policy)
             self._policy_step, self._microbatch = self.step, 0
         cfg, rank = self.config.on_policy, dist.get_rank() if dist.is_initialized() else 0
-        seed = ((cfg.seed * 1_000_003 + self.step) * 1_009 + rank) * 101 + self._microbatch
+        seed = (((cfg.seed * 1_000_003 + self.step) * 1_009 + rank) * 101 + self._microbatch) & (2**63 - 1)
         self._microbatch += 1
         g = torch.Generator(device=self.device).manual_seed(seed)
         return student_windows(self._policy, inputs, labels, cfg, g)
@@ -249,12 +254,15 @@ class SmeltTrainer(Trainer):
         copy = copy if copy is not None else self._cpu_model().to(self.device)
         if copy.cfg.tie_embeddings:
             copy.output.weight = copy.tok_embeddings.weight  # .to() keeps the tie; said again for clarity
-        params = dict(copy.named_parameters())
+        params, filled = dict(copy.named_parameters()), set()
         for name, p in self.student.named_parameters():
             t = full(p.detach())
             if name in params:
                 params[name].copy_(t)
+                filled.add(name)
             del t
+        if filled != set(params):  # an unfilled parameter would sample from uninitialised memory
+            raise SmeltError(f"on-policy sampler: student parameters {sorted(set(params) - filled)[:3]} not found")
         copy.init_rope(self.device)
         return copy
 
@@ -262,6 +270,8 @@ class SmeltTrainer(Trainer):
         on_policy = self.config.on_policy.is_on_policy(self.step)
         if on_policy:
             inputs, labels = self._student_windows(inputs, labels)
+        elif self._policy is not None:  # the whole-model copy lives only through its on-policy step
+            self._policy, self._policy_step = None, -1
         with self.train_context():
             if self._hidden is not None:
                 self._hidden["on"] = True
