@@ -52,12 +52,9 @@ class TeacherTopK:
         """Positions as rows: [N, k] and [N]."""
         return TeacherTopK(self.ids.reshape(-1, self.k), self.logprobs.reshape(-1, self.k), self.rest.reshape(-1))
 
-    def rows(self, start: int, end: int) -> TeacherTopK:
-        return TeacherTopK(self.ids[start:end], self.logprobs[start:end], self.rest[start:end])
-
-    def shift(self, offset: int) -> TeacherTopK:
-        """Positions offset: of [B, T, ...] (MTP module `offset`'s targets)."""
-        return TeacherTopK(self.ids[:, offset:], self.logprobs[:, offset:], self.rest[:, offset:])
+    def __getitem__(self, idx) -> TeacherTopK:
+        """Indexed over the position dims, like teacher logits: t[s:e] (rows), t[:, k:] (MTP module k)."""
+        return TeacherTopK(self.ids[idx], self.logprobs[idx], self.rest[idx])
 
     def coarse_logprobs(self) -> torch.Tensor:
         """[..., k + 1] fp32 log-probabilities of (top-k tokens, the rest), renormalised: the stored fp16 values

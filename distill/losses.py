@@ -85,10 +85,6 @@ def _divergence(kind, s_logits, teacher, temperature, skew_alpha):
     return topk_forward_kl(s_logits, teacher)
 
 
-def _teacher_rows(teacher, s, e):
-    return teacher.rows(s, e) if isinstance(teacher, TeacherTopK) else teacher[s:e]
-
-
 def hidden_divergence(kind: str, h_student: torch.Tensor, h_teacher: torch.Tensor) -> torch.Tensor:
     """Per-token distance [...] between student and teacher hidden states [..., d], in fp32: normalised
     MSE (scale-free, so every block weighs alike whatever its activation norm) or 1 - cosine."""
@@ -128,7 +124,7 @@ class _ChunkedLoss(torch.autograd.Function):
             e = min(n, s + chunk)
             with torch.enable_grad():
                 x = s_logits[s:e].detach().requires_grad_(grad is not None)
-                d = _divergence(kind, x, _teacher_rows(t_logits, s, e), temperature, skew_alpha)
+                d = _divergence(kind, x, t_logits[s:e], temperature, skew_alpha)
                 valid = labels[s:e] != -100 if labels is not None else None
                 if valid is not None:
                     d = d * valid
@@ -159,7 +155,7 @@ def _tail_threshold(s_logits, t_logits, labels, kind, temperature, skew_alpha, c
     """The `quantile` of the per-token divergence over this batch's valid tokens."""
     parts = []
     for s in range(0, s_logits.shape[0], chunk):
-        d = _divergence(kind, s_logits[s:s + chunk], _teacher_rows(t_logits, s, s + chunk), temperature, skew_alpha)
+        d = _divergence(kind, s_logits[s:s + chunk], t_logits[s:s + chunk], temperature, skew_alpha)
         parts.append(d[labels[s:s + chunk] != -100] if labels is not None else d)
     d = torch.cat(parts)
     return torch.quantile(d, quantile) if d.numel() else d.new_tensor(float("inf"))

@@ -45,7 +45,7 @@ from core.errors import SmeltError
 from core.files import atomic_dir
 from core.masks import MASKS_FILE, load_dense_rows, load_masks, save_masks
 from core.runlock import RunLock
-from core.teacher_topk import TeacherTopK, TopKCache
+from core.teacher_topk import TopKCache
 from distill.losses import hidden_divergence
 from models.hf_io import config_from_hf, load_into, load_tokenizer, read_hf_config, save_hf
 from models.llama import Transformer
@@ -251,9 +251,7 @@ class SmeltTrainer(Trainer):
     @torch.no_grad()
     def _gather_student(self, copy: Transformer | None) -> Transformer:
         """The student's current weights in a whole, unsharded model on this rank's device."""
-        copy = copy if copy is not None else self._cpu_model().to(self.device)
-        if copy.cfg.tie_embeddings:
-            copy.output.weight = copy.tok_embeddings.weight  # .to() keeps the tie; said again for clarity
+        copy = copy if copy is not None else self._cpu_model().to(self.device)  # tied as the student is
         params, filled = dict(copy.named_parameters()), set()
         for name, p in self.student.named_parameters():
             t = full(p.detach())
@@ -310,7 +308,7 @@ class SmeltTrainer(Trainer):
         weight = self.config.model_spec.model.mtp.weight if main is not None else 1.0
         for k, logits in enumerate(heads, start=1):
             lk, mk = self.loss_fn(logits, labels[:, k:], global_valid_tokens,
-                                  teacher_logits=_shifted(teacher_logits, k))
+                                  teacher_logits=None if teacher_logits is None else teacher_logits[:, k:])
             loss = loss + weight * lk / len(heads)
             metrics.update({f"mtp{k}_{name}": v for name, v in mk.items()})
         return loss, metrics
@@ -463,13 +461,6 @@ class SmeltTrainer(Trainer):
                 "on_policy": _plain(cfg.on_policy),
             }, parent=parent_record(cfg.student))
         logger.info("exported the student to %s", out_dir)
-
-
-def _shifted(teacher, k: int):
-    """Positions k: of the teacher's logits [B, T, V] or cached top-k (MTP module k's targets)."""
-    if teacher is None:
-        return None
-    return teacher.shift(k) if isinstance(teacher, TeacherTopK) else teacher[:, k:]
 
 
 def _plain(cfg) -> dict:
