@@ -34,6 +34,16 @@ def make_byte_tokenizer():
                                    unk_token="<unk>", pad_token="<pad>")
 
 
+def launch_log(proc, tail: int = 3000) -> str:
+    """A failed launch's stderr tail plus the other ranks' (train.launch files them under the dump folder)."""
+    args = [str(a) for a in proc.args]
+    parts = [proc.stderr[-tail:]]
+    if "--dump_folder" in args:
+        for log in sorted((Path(args[args.index("--dump_folder") + 1]) / "rank-logs").glob("*/attempt_*/*/*.log")):
+            parts.append(f"----- {log}\n{log.read_text(errors='replace')[-tail:]}")
+    return "\n".join(parts)
+
+
 def tiny_config(name: str = "debug", **kw) -> LlamaConfig:
     base = FLAVORS[name].to_dict()
     base.update(vocab_size=BYTE_VOCAB, bos_id=1, eos_id=2)

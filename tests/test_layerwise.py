@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_distill_dirs
+from conftest import launch_log, make_distill_dirs
 from test_trainer import torchrun
 
 from core.artifact import write_manifest
@@ -67,10 +67,10 @@ def _block_nmse(model, teacher, key: str) -> float:
 
 def test_the_trainer_adds_the_layerwise_loss_and_it_pulls_blocks_to_the_teacher(dirs):
     plain = torchrun(dirs, "plain", "--training.steps", "6")
-    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert plain.returncode == 0, launch_log(plain)
     hidden = torchrun(dirs, "hidden", "--training.steps", "6", "--loss.hidden_weight", "20",
                       "--loss.hidden_layers", "0,1")
-    assert hidden.returncode == 0, hidden.stderr[-3000:]
+    assert hidden.returncode == 0, launch_log(hidden)
     settings = json.loads((dirs / "hidden-out" / "manifest.json").read_text())["settings"]["loss"]
     assert settings["hidden_weight"] == 20 and settings["hidden_layers"] == "0,1"
     teacher = load_hf(dirs / "teacher")

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import make_byte_tokenizer, make_distill_dirs, tiny_config
+from conftest import launch_log, make_byte_tokenizer, make_distill_dirs, tiny_config
 from safetensors.torch import load_file
 from test_trainer import kill_after_checkpoint, torchrun
 
@@ -126,7 +126,7 @@ SRSTE = ("--mask_learning.mode", "srste", "--mask_learning.freeze_fraction", "0.
 
 def test_the_trainer_learns_2of4_masks_exports_them_exact_and_resumes_bit_identical(srste_dirs):
     straight = torchrun(srste_dirs, "srste", *SRSTE)
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert straight.returncode == 0, launch_log(straight)
     out = srste_dirs / "srste-out"
     masks, dense = load_masks(out), load_dense_rows(out)
     start = load_masks(srste_dirs / "student")
@@ -148,7 +148,7 @@ def test_the_trainer_learns_2of4_masks_exports_them_exact_and_resumes_bit_identi
     name = "srste-killed"
     kill_after_checkpoint(srste_dirs, name, *SRSTE, seed=1)
     resumed = torchrun(srste_dirs, name, *SRSTE)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, launch_log(resumed)
     for file in ("model.safetensors", "masks.safetensors"):
         a, b = load_file(str(out / file)), load_file(str(srste_dirs / f"{name}-out" / file))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from conftest import make_distill_dirs, tiny_config
+from conftest import launch_log, make_distill_dirs, tiny_config
 from safetensors.torch import load_file
 from test_trainer import kill_after_checkpoint, torchrun
 
@@ -58,7 +58,7 @@ def _losses(proc) -> list[float]:
 
 def test_the_trainer_trains_on_the_students_text_and_resumes_exactly(dirs):
     plain, on = torchrun(dirs, "plain"), torchrun(dirs, "on", *ON)
-    assert plain.returncode == 0 and on.returncode == 0, on.stderr[-3000:]
+    assert plain.returncode == 0 and on.returncode == 0, launch_log(on)
     a, b = _losses(plain), _losses(on)
     # step 1 is teacher-forced in both; step 2 (share 0.5) is the student's text, so the runs part there
     assert len(a) == len(b) == 6 and a[0] == b[0] and a[1] != b[1]
@@ -66,7 +66,7 @@ def test_the_trainer_trains_on_the_students_text_and_resumes_exactly(dirs):
     assert settings["on_policy"]["share"] == 0.5 and settings["on_policy"]["prompt_tokens"] == 8
     kill_after_checkpoint(dirs, "on-killed", *ON)
     resumed = torchrun(dirs, "on-killed", *ON)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, launch_log(resumed)
     x, y = (load_file(str(dirs / f"{n}-out" / "model.safetensors")) for n in ("on", "on-killed"))
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, make_distill_dirs
+from conftest import ROOT, launch_log, make_distill_dirs
 from safetensors.torch import load_file
 from test_trainer import _env, kill_after_checkpoint, torchrun
 
@@ -92,7 +92,7 @@ def test_a_full_vocabulary_cache_trains_like_the_teacher_itself(dirs):
     for name, extra in (("teacher", ()), ("full", ("--dataloader.teacher_cache", str(dirs / f"cache-{VOCAB}"))),
                         ("top8", ("--dataloader.teacher_cache", str(dirs / "cache-8")))):
         proc = torchrun(dirs, name, *extra)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == 0, launch_log(proc)
         runs[name] = [float(x) for x in re.findall(r"step:\s+\d+\s+loss:\s+([0-9.]+)",
                                                                  proc.stdout + proc.stderr)]
     assert len(runs["teacher"]) == 6 and runs["full"] == pytest.approx(runs["teacher"], rel=1e-3)
@@ -102,7 +102,7 @@ def test_a_full_vocabulary_cache_trains_like_the_teacher_itself(dirs):
     # killed after a checkpoint, the cached run resumes at the same window and ends bit-identical
     kill_after_checkpoint(dirs, "top8-killed", "--dataloader.teacher_cache", str(dirs / "cache-8"))
     resumed = torchrun(dirs, "top8-killed", "--dataloader.teacher_cache", str(dirs / "cache-8"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, launch_log(resumed)
     a, b = load_file(str(dirs / "top8-out" / "model.safetensors")), load_file(str(dirs / "top8-killed-out" /
                                                                                     "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

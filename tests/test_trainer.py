@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, make_byte_tokenizer, make_distill_dirs, tiny_config
+from conftest import ROOT, launch_log, make_byte_tokenizer, make_distill_dirs, tiny_config
 from safetensors.torch import load_file
 
 from core.masks import load_masks, save_masks
@@ -95,7 +95,7 @@ def _kill_run(proc: subprocess.Popen, folder: Path) -> None:
 @pytest.fixture(scope="module")
 def straight_run(dirs):
     proc = torchrun(dirs, "straight", "--training.steps", "8")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, launch_log(proc)
     return SimpleNamespace(out=dirs / "straight-out", log=proc.stdout + proc.stderr)
 
 
@@ -141,7 +141,7 @@ def test_mtp_trains_on_the_frozen_model_exports_its_file_and_drafts_exactly(dirs
     cmd = LAUNCH[:-1] + ["debug_mtp", "--student", str(src), "--teacher", str(dirs / "teacher"), "--dump_folder",
                          str(dirs / "mtp"), "--export_dir", str(out), "--training.steps", "12"]
     proc = subprocess.run(cmd, check=False, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, launch_log(proc)
     main, trained = load_hf(src), load_hf(out)
     assert all(torch.equal(a, b) for a, b in zip(main.state_dict().values(), trained.state_dict().values()))
     assert set(load_masks(out)) == set(load_masks(src))  # the frozen main model's masks travel on
@@ -179,7 +179,7 @@ def test_mtp_joint_mode_trains_the_main_model_too(dirs, straight_run):
     cmd = LAUNCH[:-1] + ["debug_mtp_joint", "--student", str(src), "--teacher", str(dirs / "teacher"),
                          "--dump_folder", str(dirs / "mtp-joint"), "--export_dir", str(out)]
     proc = subprocess.run(cmd, check=False, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, launch_log(proc)
     start, trained = load_hf(src), load_hf(out)
     w0, w1 = start.layers["0"].feed_forward.w3.weight, trained.layers["0"].feed_forward.w3.weight
     assert not torch.equal(w0, w1)  # the main model trained
@@ -217,7 +217,7 @@ def test_resume_after_kill9_is_bit_identical(dirs, straight_run):
     name = "killed"
     kill_after_checkpoint(dirs, name, "--training.steps", "8")
     resumed = torchrun(dirs, name, "--training.steps", "8")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, launch_log(resumed)
     assert "Loading the checkpoint" in resumed.stdout + resumed.stderr
     a = load_file(str(straight_run.out / "model.safetensors"))
     b = load_file(str(dirs / f"{name}-out" / "model.safetensors"))
@@ -227,7 +227,7 @@ def test_resume_after_kill9_is_bit_identical(dirs, straight_run):
 def test_activation_checkpointing_is_switchable_and_exact(dirs, straight_run):
     # torchtitan's switch, on our model: recomputing each block in backward changes nothing on CPU.
     proc = torchrun(dirs, "full-ac", "--training.steps", "8", "activation_checkpoint:full")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, launch_log(proc)
     assert "every block is recomputed in backward" in proc.stdout + proc.stderr
     a = load_file(str(straight_run.out / "model.safetensors"))
     b = load_file(str(dirs / "full-ac-out" / "model.safetensors"))
@@ -291,7 +291,7 @@ def test_one_live_run_per_dump_folder_and_ranks_stop_with_their_launcher(dirs):
     # The dead run's lock is taken over: the same folder resumes and finishes.
     step = int(saved[0].name.split("-")[1])
     third = torchrun(dirs, name, "--training.steps", str(step + 1))
-    assert third.returncode == 0, third.stderr[-3000:]
+    assert third.returncode == 0, launch_log(third)
     assert "Loading the checkpoint" in third.stdout + third.stderr
 
 
@@ -404,7 +404,7 @@ def test_qat_through_the_trainer_keeps_2of4_and_exports_on_grid(dirs, tmp_path, 
                            "--dump_folder", str(tmp_path / "run"), "--export_dir", str(tmp_path / "out"),
                            "--training.mixed_precision_param", dtype]
     proc = subprocess.run(cmd, check=False, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, launch_log(proc)
     out = load_hf(tmp_path / "out")
     qparams, spec = read_qparams(tmp_path / "out")
     assert spec.group_size == 32 and len(qparams) == len(masks)
@@ -453,13 +453,16 @@ def test_wandb_offline_run_holds_training_and_evaluation_and_survives_a_requeue(
     for steps in ("2", "4"):  # the second run is the requeued job: same job id, resumes from step 2
         proc = subprocess.run(base + ["--training.steps", steps], cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=240, check=False)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == 0, launch_log(proc)
+    # Rank 1's output was filed (the console shows rank 0's): one folder per launch, the requeue's too.
+    rank1 = sorted((dirs / name / "rank-logs").glob("*/attempt_0/1/stdout.log"), key=lambda f: f.stat().st_mtime)
+    assert [("rank 1 trained to step " + s) in log.read_text() for log, s in zip(rank1, "24")] == [True, True]
     report = dirs / f"{name}-out" / "eval.json"
     proc = subprocess.run([sys.executable, "-m", "eval.evaluate", "--model", str(dirs / f"{name}-out"),
                            "--teacher", str(dirs / "teacher"), "--windows", "en=2", "--seq-len", "32",
                            "--out", str(report), "--wandb"], cwd=ROOT, env=env, capture_output=True, text=True, check=False,
                           timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, launch_log(proc)
     files = sorted(dirs.glob(f"{name}*/**/offline-run-*/run-*.wandb"))
     runs = [read_run(f) for f in files]
     assert len(runs) == 3 and {r["run"]["id"] for r in runs} == {"smelt-4242"}  # one run, resumed twice

@@ -12,7 +12,12 @@ becomes (exec: same pid, so Slurm's and the user's signals reach torchrun as bef
     python -m torch.distributed.run --standalone --nproc-per-node N --local-ranks-filter 0 -m train.run ...
 
 On several nodes (Slurm) pass --nnodes, --rdzv-id and --rdzv-endpoint (c10d rendezvous) instead of the
-standalone one; --all-ranks shows every local rank's output, not just local rank 0's.
+standalone one. Local rank 0's output is the console's; the other local ranks' goes to files,
+
+    <dump_folder>/rank-logs/<run id>_<random>/attempt_<n>/<local rank>/{stdout,stderr}.log
+
+so that a rank that dies alone (a C++ abort, say) leaves its last words behind; --all-ranks shows every
+local rank's output on the console instead.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import contextlib
 import io
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -27,6 +33,7 @@ from core.errors import ArgumentParser, SmeltError, run_cli
 from core.runlock import check_free
 from train.run import parse_config
 
+RANK_LOGS = "rank-logs"  # under the dump folder: the other local ranks' stdout/stderr
 USAGE = "python -m train.launch [--nproc N] -- --module train.config_registry --config NAME [overrides]"
 
 
@@ -94,6 +101,9 @@ def main() -> None:
         check_config(config)
     check_world(config, opts.nproc, opts.nnodes)
     check_free(config.dump_folder)  # a live run on this folder: refused before any rank starts
+    if not opts.all_ranks and opts.nproc > 1:  # torchrun makes a fresh subfolder per launch: a requeue keeps both
+        torchrun += ["--log-dir", str(Path(config.dump_folder) / RANK_LOGS),
+                     "--redirects", ",".join(f"{r}:3" for r in range(1, opts.nproc))]
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun, "-m", "train.run", *run_args]
     sys.stdout.flush()
     sys.stderr.flush()

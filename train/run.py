@@ -140,6 +140,12 @@ def parse_config(args: list[str]):
     return config
 
 
+def _barrier() -> None:
+    """All ranks meet before teardown; NCCL is told its device (guessing it warns, and can pick the wrong one)."""
+    nccl = torch.cuda.is_available() and "nccl" in str(torch.distributed.get_backend())
+    torch.distributed.barrier(device_ids=[torch.cuda.current_device()] if nccl else None)
+
+
 def main() -> None:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: its launcher's death is its own
         exit_with_launcher()
@@ -150,7 +156,7 @@ def main() -> None:
     from torchtitan.tools.logging import init_logger
 
     def train() -> None:
-        trainer = None
+        trainer, finished = None, False
         try:
             init_logger()
             config = parse_config(sys.argv[1:])
@@ -158,10 +164,13 @@ def main() -> None:
                                       enable=config.debug.enable_structured_logging)
             trainer = config.build()
             trainer.train()
+            finished = True
         finally:
             if trainer is not None:
                 trainer.close()
             if torch.distributed.is_initialized():
+                if finished:  # rank 0 still exports and closes wandb: no rank may tear its links down first
+                    _barrier()
                 torch.distributed.destroy_process_group()
 
     run_cli(train, show=int(os.environ.get("RANK", "0")) == 0)
