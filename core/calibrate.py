@@ -29,6 +29,7 @@ import sys
 import time
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -230,6 +231,16 @@ def shared_inputs(stats: dict[str, LinearStats]) -> list[list[str]]:
     return list(groups.values())
 
 
+class BlockStream(Protocol):
+    """Where a streamed model's modules come from and go to (models.streamed.StreamedModel)."""
+
+    device: torch.device
+
+    def load(self, name: str, module: nn.Module) -> None: ...
+
+    def release(self, name: str, module: nn.Module) -> None: ...
+
+
 class _StopPass(Exception):
     """Raised at the block's last Linear in a sequential statistics pass: what follows is never used."""
 
@@ -256,7 +267,7 @@ def _last_linear(block: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torc
 @torch.no_grad()
 def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock, cfg: CalibConfig,
                targets: Callable[[str], bool] | Collection[str] | None = None, hessian: bool = True,
-               progress: bool = True) -> dict[str, float]:
+               progress: bool = True, stream: BlockStream | None = None) -> dict[str, float]:
     """Run `windows` [n, seq_len] through the model block by block, in layer order.
 
     For each block `layers.K`: a statistics pass runs the block on its inputs (in batches of
@@ -268,6 +279,8 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
     still passed to on_block (with {}). With cfg.forward resolving to a dtype other than the block's, the
     passes run a copy of the block in that dtype, refreshed from the block after on_block. Returns seconds
     spent: forward_s (block forwards, hooks excluded), stats_s (accumulating statistics), on_block_s.
+    With `stream` (models.streamed.StreamedModel), the model lives on the meta device and each module is
+    loaded just before its pass and released (written out, freed) right after.
     """
     if windows is None or windows.numel() == 0:
         raise SmeltError("no calibration data: run_blocks needs at least one window")
@@ -276,7 +289,7 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
     seq_len = windows.shape[1]
     if seq_len > model.rope_cos.shape[0]:
         raise SmeltError(f"calibration seq_len={seq_len} exceeds the model's max_seq_len={model.rope_cos.shape[0]}")
-    device = model.tok_embeddings.weight.device
+    device = stream.device if stream is not None else model.tok_embeddings.weight.device
     product = getattr(torch, cfg.hessian)
     fwd_dtype = cfg.forward_dtype(device)
     selected = _selector(targets)
@@ -293,10 +306,16 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
     model.eval()
     try:
         # The current block's inputs, one tensor per batch; replaced in place by the block's outputs.
+        if stream is not None:
+            stream.load("tok_embeddings", model.tok_embeddings)
         hidden = [model.tok_embeddings(b.to(device)).to(fwd_dtype) for b in windows.split(cfg.batch_size)]
+        if stream is not None:
+            stream.release("tok_embeddings", model.tok_embeddings)
         bar = tqdm(total=len(model.layers), desc="calibrate", unit="block", disable=not progress)
         for key, block in model.layers.items():
             prefix = f"layers.{key}"
+            if stream is not None:
+                stream.load(prefix, block)
             # What the passes run: the block itself, or a copy in the forward dtype (the algorithms keep
             # modifying the block's own weights).
             fwd = block if next(block.parameters()).dtype == fwd_dtype else copy.deepcopy(block).to(fwd_dtype)
@@ -343,6 +362,9 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
                 for i, h in enumerate(hidden):
                     hidden[i] = fwd(h, cos, sin)
                 seconds["forward_s"] += time.perf_counter() - t0
+            if stream is not None:
+                del fwd
+                stream.release(prefix, block)
             bar.update()
     finally:
         if bar is not None:

@@ -130,7 +130,7 @@ def read_hf_config(model_dir: str | Path) -> dict:
     return read_json(Path(model_dir) / "config.json", "a Hugging Face model directory")
 
 
-def _hf_index(model_dir: Path, cfg: LlamaConfig) -> dict[str, tuple[Path, str]]:
+def checkpoint_index(model_dir: Path, cfg: LlamaConfig) -> dict[str, tuple[Path, str]]:
     """{our name: (file, HF name)} from the safetensors headers, every name and shape checked against cfg.
     No tensor data is read here."""
     with torch.device("meta"):
@@ -169,7 +169,7 @@ def load_into(model: Transformer, model_dir: str | Path) -> None:
     file is refused naming it, on every rank at once (a collective when distributed).
     """
     model_dir = Path(model_dir)
-    index = _hf_index(model_dir, model.cfg)
+    index = checkpoint_index(model_dir, model.cfg)
     # A tied output head is the embedding: loaded once. Parameters no checkpoint holds (QAT's learned scales)
     # are someone else's to fill; every checkpoint tensor must find its parameter.
     params = {n: p for n, p in model.named_parameters() if n in index}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,12 +30,13 @@ from core.device import default_device, peak_rss_gib, release_memory
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.evaluation import evaluate_dir
 from core.files import atomic_dir
-from core.masks import save_masks
+from core.masks import StreamedMasks, save_masks
 from core.protected import dense_rows as protected_rows, read_protected
 from core.obs import timed_inverses
 from core.patterns import NMPattern
 from models.hf_io import load_hf, load_tokenizer, save_hf
 from models.llama import DEFAULT_SKIP, linear_names
+from models.streamed import StreamedModel, footprint
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 from prune import algorithms
 from prune.patterns import check_sparsity
@@ -100,7 +102,9 @@ def check_settings(model: nn.Module, method: str, sparsity: float, pattern: NMPa
 def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, sparsity: float = 0.5,
                 pattern: NMPattern | None = None, skip: tuple[str, ...] = DEFAULT_SKIP, blocksize: int = 128,
                 percdamp: float = 0.01, cfg: CalibConfig | None = None, progress: bool = True,
-                dense_rows: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+                dense_rows: dict[str, torch.Tensor] | None = None, stream: StreamedModel | None = None,
+                write_masks: Callable[[dict[str, torch.Tensor]], None] | None = None,
+                ) -> tuple[dict[str, torch.Tensor], dict]:
     """Prune the model's block linears in place; returns ({module name: bool keep-mask}, report).
 
     An N:M `pattern` sets the sparsity (1 - n/m); without one it is unstructured at `sparsity`. windows
@@ -108,6 +112,8 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
     report: per_module {name: {sparsity, rel_recon_error (methods with a Hessian: SparseGPT, OBS)}}, overall sparsity of
     the pruned linears, and timings_s (forward passes, statistics, Hessian inverses, pruning updates).
     dense_rows {name: bool [out]}: rows left as they are (all kept), e.g. protected heads.
+    stream: the model is a StreamedModel's (meta until each block is loaded); each block's masks then go to
+    `write_masks` as soon as the block is done, and the returned masks are empty.
     """
     t_start = time.perf_counter()
     cfg = cfg or CalibConfig()
@@ -120,6 +126,7 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
     modules = dict(model.named_modules())
     masks: dict[str, torch.Tensor] = {}
     per_module: dict[str, dict] = {}
+    removed: dict[str, int] = {}  # pruned weights per module (the masks may be gone: streamed)
     seconds = {"forward_s": 0.0, "stats_s": 0.0, "hessian_inverse_s": 0.0, "prune_s": 0.0, "metrics_s": 0.0}
 
     def prune_one(name: str, stats: LinearStats | None) -> None:
@@ -147,6 +154,7 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
             entry["rel_recon_error"] = relative_error(weight.detach(), W_hat, stats.H)
         weight.copy_(W_hat)  # in place: tied or shared parameters stay the same object
         masks[name] = keep.cpu()
+        removed[name] = int((~keep).sum())
         per_module[name] = entry
         seconds["prune_s"] += t1 - t0
         seconds["metrics_s"] += time.perf_counter() - t1
@@ -173,6 +181,8 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
             else:
                 for name in group:
                     prune_one(name, stats[name])
+        if write_masks is not None:  # streamed: this block's masks leave now, not at the end
+            write_masks({n: masks.pop(n) for n in list(masks) if n.startswith(block_name + ".")})
 
     with timed_inverses(seconds):
         if method in CALIBRATED:
@@ -181,15 +191,21 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
             # Wanda reads activation norms only: no XᵀX (it cost ~40% of a calibration), so no H-based
             # reconstruction error is reported for it either.
             ran = run_blocks(model, windows, on_block, cfg, targets=set(targets), progress=progress,
-                             hessian=method != "wanda")
+                             hessian=method != "wanda", stream=stream)
             seconds["forward_s"], seconds["stats_s"] = ran["forward_s"], ran["stats_s"]
+        elif stream is not None:  # magnitude, streamed: each block loaded, pruned, written, freed
+            for key, block in model.layers.items():
+                stream.load(f"layers.{key}", block)
+                for name in (n for n in targets if n.startswith(f"layers.{key}.")):
+                    prune_one(name, None)
+                on_block(f"layers.{key}", block, {})
+                stream.release(f"layers.{key}", block)
         else:
             for name in targets:
                 prune_one(name, None)
     seconds["prune_update_s"] = seconds.pop("prune_s") - seconds["hessian_inverse_s"]
     seconds["total_s"] = time.perf_counter() - t_start
-    pruned = sum(int((~k).sum()) for k in masks.values())
-    total = sum(k.numel() for k in masks.values())
+    pruned, total = sum(removed.values()), sum(modules[n].weight.numel() for n in removed)
     # the pattern goes into manifests as its "2:4" string, as existing artifacts have it
     report = {"method": method, "pattern": str(pattern) if pattern else None, "sparsity": pruned / total,
               "pruned_params": pruned, "total_params": total, "per_module": per_module,
@@ -224,6 +240,9 @@ def _parse_args(argv):
                     help="prune.heads JSON: leave its protected heads' wq/wk/wv rows dense (declared in the masks)")
     ap.add_argument("--no-sequential", action="store_true",
                     help="calibrate every block on the dense model's activations (one forward per block)")
+    ap.add_argument("--max-memory", type=float, metavar="GIB",
+                    help="stream the model: blocks read from the checkpoint one at a time and the artifact "
+                         "written block by block, refused unless the calibration's estimated footprint fits GIB")
     ap.add_argument("--overwrite", action="store_true")
     ap.add_argument("--eval", action="store_true", help="evaluate against the teacher (metrics in the manifest)")
     ap.add_argument("--eval-windows", help="per-bucket eval windows, e.g. en=16,zh=8,code=8 (EvalConfig default)")
@@ -269,8 +288,11 @@ def main(argv: list[str] | None = None) -> None:
     if out.resolve() == teacher_dir.resolve():
         raise SmeltError(f"--out {out} is the teacher directory itself")
     tokenizer = load_tokenizer(teacher_dir)
-    model = load_hf(teacher_dir, device=str(default_device()))
-    check_settings(model, args.method, sparsity, pattern, skip, args.blocksize, args.percdamp)
+    before_model = peak_rss_gib()  # interpreter, torch, tokenizer: what no --max-memory can cut
+    stream = StreamedModel(teacher_dir, default_device()) if args.max_memory is not None else None
+    model = stream.model if stream else load_hf(teacher_dir, device=str(default_device()))
+    targets = check_settings(model, args.method, sparsity, pattern, skip, args.blocksize, args.percdamp)
+    need = _check_memory(stream, args.max_memory, cfg, args.method) if stream else None
     dense = {}
     if args.protect:
         c = model.cfg
@@ -278,24 +300,33 @@ def main(argv: list[str] | None = None) -> None:
         dense = protected_rows(protected, c.n_heads, c.n_kv_heads, c.head_dim)
     calibrated = args.method in CALIBRATED
     windows = cfg.windows(tokenizer) if calibrated else None
-    masks, report = prune_model(model, windows, args.method, sparsity, pattern, skip, args.blocksize,
-                                args.percdamp, cfg, dense_rows=dense)
-    del windows
-    print(_summary(args.method, report), file=sys.stderr)
-    metrics = {k: report[k] for k in ("sparsity", "pruned_params", "total_params", "per_module", "timings_s")}
-    metrics["peak_rss_gib"] = round(peak_rss_gib(), 3)  # this process: load + calibration (the eval runs apart)
     settings = {
-        "method": args.method, "pattern": report["pattern"], "sparsity": sparsity,
+        "method": args.method, "pattern": str(pattern) if pattern else None, "sparsity": sparsity,
         "calibration": cfg.record(default_device()) if calibrated else None, "skip": list(skip),
         "blocksize": args.blocksize if args.method == "sparsegpt" else None,
         "percdamp": args.percdamp if args.method in ("sparsegpt", "obs") else None,
         "teacher": args.teacher, "eval": None, "protect": args.protect,
-        "dense_rows": {k: int(v.sum()) for k, v in sorted(dense.items())},
+        "dense_rows": {k: int(v.sum()) for k, v in sorted(dense.items())}, "stream": need,
     }
+
+    def prune(**kw):
+        return prune_model(model, windows, args.method, sparsity, pattern, skip, args.blocksize, args.percdamp,
+                           cfg, dense_rows=dense, **kw)
+
     with atomic_dir(out, overwrite=args.overwrite) as tmp:  # an error below leaves nothing behind
-        save_hf(model, tmp, tokenizer=tokenizer)
-        save_masks(model, masks, tmp, dense)
-        del masks  # one byte per weight: freed before the evaluation's full-vocabulary temporaries
+        if stream is None:
+            masks, report = prune()
+            save_hf(model, tmp, tokenizer=tokenizer)
+            save_masks(model, masks, tmp, dense)
+            del masks  # one byte per weight: freed before the evaluation's full-vocabulary temporaries
+        else:
+            report = _prune_streamed(prune, stream, tmp, targets, dense)
+            tokenizer.save_pretrained(str(tmp))
+        del windows
+        print(_summary(args.method, report), file=sys.stderr)
+        metrics = {k: report[k] for k in ("sparsity", "pruned_params", "total_params", "per_module", "timings_s")}
+        metrics["peak_rss_gib"] = round(peak_rss_gib(), 3)  # this process: load + calibration (the eval runs apart)
+        metrics["peak_rss_before_model_gib"] = round(before_model, 3)
         if args.eval:
             del model
             release_memory()
@@ -304,6 +335,38 @@ def main(argv: list[str] | None = None) -> None:
         write_manifest(tmp, stage="prune", settings=settings, metrics=metrics,
                        parent={"path": str(teacher_dir), "fingerprint": weights_fingerprint(teacher_dir)})
     print(out)
+
+
+def _prune_streamed(prune: Callable, stream: StreamedModel, tmp: Path, targets: list[str],
+                    dense: dict[str, torch.Tensor]) -> dict:
+    """Prune with the artifact's weights and masks written block by block as calibration finishes them."""
+    shapes = {n: tuple(stream.model.get_submodule(n).weight.shape) for n in targets}
+    stream.open_output(tmp)
+    masks_out = StreamedMasks(tmp, shapes, dense)
+    try:
+        _, report = prune(stream=stream, write_masks=masks_out.write)
+        stream.close_output()
+        masks_out.close()
+    except BaseException:
+        stream.abort_output()
+        masks_out.abort()
+        raise
+    return report
+
+
+def _check_memory(stream: StreamedModel, limit_gib: float, cfg: CalibConfig, method: str) -> dict:
+    """The streamed calibration's estimated footprint, refused (one line) when it exceeds --max-memory."""
+    if not limit_gib > 0:
+        raise SmeltError(f"--max-memory {limit_gib} must be a positive number of GiB")
+    fwd_bytes = torch.empty((), dtype=cfg.forward_dtype(stream.device)).element_size()
+    need = footprint(stream.cfg, cfg.n_windows if method in CALIBRATED else 0, cfg.seq_len, cfg.batch_size,
+                     fwd_bytes, hessian=method in ("sparsegpt", "obs"))
+    if need["total"] > limit_gib * 2**30:
+        parts = ", ".join(f"{k.replace('_', ' ')} {v / 2**30:.3f}" for k, v in need.items()
+                          if k not in ("total", "embedding_phase", "block_phase"))
+        raise SmeltError(f"--max-memory {limit_gib} GiB is less than the streamed calibration needs: "
+                         f"{need['total'] / 2**30:.3f} GiB ({parts} GiB); raise it or use fewer --calib-windows")
+    return {"max_memory_gib": limit_gib, "footprint_gib": {k: round(v / 2**30, 4) for k, v in need.items()}}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,133 @@
+"""A model that calibrates from its checkpoint one block at a time, for models larger than memory.
+
+StreamedModel builds the model on the meta device and reads a block's weights from the memory-mapped
+safetensors only when the calibration engine reaches it (`load`); when the engine is done with the
+block, `release` appends its final weights to the output's model.safetensors (core.safetensors_stream)
+and drops them. Only the current block's weights, the calibration activations and the block's
+statistics are ever held; the embedding is read once, to embed the windows, and copied to the output
+in row chunks. core.calibrate.run_blocks drives it (`stream=`); `footprint` is what that holds.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from core.device import release_memory
+from core.errors import SmeltError
+from core.files import check_finite, open_safetensors
+from core.hf_names import from_hf_name, to_hf_name
+from core.safetensors_stream import StreamedSafetensors
+from models.hf_io import checkpoint_index, config_from_hf, config_to_hf, read_hf_config
+from models.llama import LlamaConfig, Transformer
+
+COPY_ROWS = 4096  # rows per chunk when an untouched tensor is copied to the output
+
+
+class StreamedModel:
+    def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu"):
+        self.dir = Path(model_dir)
+        if not self.dir.is_dir():
+            raise SmeltError(f"model directory {self.dir} does not exist")
+        cfg = config_from_hf(read_hf_config(self.dir))
+        with torch.device("meta"):
+            self.model = Transformer(cfg)
+        self.index = checkpoint_index(self.dir, cfg)  # every name and shape checked; no data read
+        self.device = torch.device(device)
+        self.model.init_rope(self.device)
+        self._out: StreamedSafetensors | None = None
+        self._out_dir: Path | None = None
+
+    @property
+    def cfg(self) -> LlamaConfig:
+        return self.model.cfg
+
+    # ---- the engine's side ------------------------------------------------------------------------
+    @torch.no_grad()
+    def load(self, name: str, module: nn.Module) -> None:
+        """Materialise `module` (our name `name`: "tok_embeddings", "layers.K") from the checkpoint."""
+        module.to_empty(device=self.device)
+        for pname, p in module.named_parameters():
+            f, hf = self.index[f"{name}.{pname}"]
+            with open_safetensors(f) as st:
+                t = st.get_tensor(hf)
+            check_finite(hf, t, f)
+            p.copy_(t.to(p.dtype))
+
+    def release(self, name: str, module: nn.Module) -> None:
+        """Done with `module`: a block's final weights go to the output (when one is open), then it is freed."""
+        if self._out is not None and name.startswith("layers."):
+            for pname, p in module.state_dict().items():
+                self._out.write(to_hf_name(f"{name}.{pname}"), p.detach().float())
+        module.to("meta")
+        release_memory()  # glibc keeps freed blocks otherwise, and RSS would grow to the whole model
+
+    # ---- the output artifact ----------------------------------------------------------------------
+    def _output_names(self) -> list[str]:
+        names = list(self.model.state_dict())
+        if self.cfg.tie_embeddings:
+            names.remove("output.weight")
+        head = [n for n in names if not n.startswith("layers.")]
+        front = [n for n in head if n.startswith("tok_embeddings.")]
+        return front + [n for n in names if n.startswith("layers.")] + [n for n in head if n not in front]
+
+    def open_output(self, out_dir: str | Path) -> None:
+        """Start out_dir/model.safetensors (fp32, as load_hf's model is saved) with the untouched embedding;
+        blocks follow as they are released, the rest at close_output."""
+        self._out_dir = Path(out_dir)
+        shapes = self.model.state_dict()
+        layout = [(to_hf_name(n), torch.float32, tuple(shapes[n].shape)) for n in self._output_names()]
+        self._out = StreamedSafetensors(self._out_dir / "model.safetensors", layout, {"format": "pt"})
+        while self._out.pending and not self._out.pending.startswith("model.layers."):
+            self._copy(self._out.pending)
+
+    def _copy(self, hf_name: str) -> None:
+        """An untouched tensor, source to output in row chunks (never whole in memory)."""
+        f, src = self.index[from_hf_name(hf_name)]
+        with open_safetensors(f) as st:
+            sl = st.get_slice(src)
+            rows = sl.get_shape()[0]
+            for a in range(0, rows, COPY_ROWS):
+                t = sl[a:min(a + COPY_ROWS, rows)]
+                check_finite(src, t, f)
+                self._out.write(hf_name, t.float(), part=True)
+
+    def close_output(self) -> None:
+        """The tensors after the blocks, the file renamed into place, config.json."""
+        while self._out.pending is not None:
+            if self._out.pending.startswith("model.layers."):
+                self._out.abort()
+                raise SmeltError(f"the output is closed before block tensor {self._out.pending} was released")
+            self._copy(self._out.pending)
+        self._out.close()
+        self._out = None
+        cfg = config_to_hf(self.cfg, n_layers=len(self.model.layers))
+        (self._out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+    def abort_output(self) -> None:
+        if self._out is not None:
+            self._out.abort()
+            self._out = None
+
+
+def footprint(cfg: LlamaConfig, n_windows: int, seq_len: int, batch_size: int, forward_bytes: int,
+              hessian: bool) -> dict[str, int]:
+    """Bytes a streamed calibration holds at its peak, by part (an estimate from the shapes; the interpreter
+    and libraries come on top). Two phases: embedding the windows, then one block at a time."""
+    d, f, h, q = cfg.dim, cfg.ffn_hidden, cfg.n_heads, cfg.n_heads * cfg.head_dim
+    kv = cfg.n_kv_heads * cfg.head_dim
+    block_params = 2 * d + 2 * d * q + 2 * d * kv + 3 * d * f
+    block = block_params * (4 + (forward_bytes if forward_bytes != 4 else 0))  # fp32 + a forward copy
+    activations = n_windows * seq_len * d * forward_bytes  # the current block's inputs, replaced in place
+    batch = batch_size * seq_len * (6 * d + 3 * f + h * seq_len) * 4  # one batch's temporaries
+    # (input width, rows solved together): q/k/v share an input, wo, w1/w3 share one, w2
+    groups = [(d, q + 2 * kv), (q, d), (d, 2 * f), (f, d)]
+    stats = sum(i * i * 12 if hessian else i * 8 for i, _ in groups)  # fp64 sums + one fp32 product
+    solve = max(3 * i * i * 4 + 3 * r * i * 4 for i, r in groups) if hessian else 0  # H, its inverse, W copies
+    embed = cfg.vocab_size * d * 4 + activations + batch
+    per_block = block + activations + batch + stats + solve
+    return {"total": max(embed, per_block), "embedding_phase": embed, "block_phase": per_block,
+            "block_weights": block, "activations": activations, "batch_temporaries": batch,
+            "statistics": stats, "solver": solve}
