@@ -16,7 +16,7 @@ import torch
 from core.errors import SmeltError
 from core.hf_names import layer_index, to_hf_name
 from core.safetensors_stream import StreamedSafetensors
-from core.sidefiles import load_side_file, save_side_file
+from core.sidefiles import SideFileOnDisk, load_side_file, save_side_file
 
 MASKS_FILE = "masks.safetensors"
 MASKS_FORMAT = "smelt-masks/1"
@@ -87,3 +87,22 @@ def load_dense_rows(art_dir: str | Path) -> dict[str, torch.Tensor]:
         return {}
     tensors, _ = load_side_file(p)
     return {module: t.bool() for (module, suffix), t in tensors.items() if suffix == DENSE_ROWS}
+
+
+class MasksOnDisk:
+    """load_masks' mapping, read one mask at a time from the file (streamed stages never hold them all)."""
+
+    def __init__(self, art_dir: str | Path):
+        p = Path(art_dir) / MASKS_FILE
+        self.file = SideFileOnDisk(p) if p.is_file() else None
+
+    def __bool__(self) -> bool:
+        return self.file is not None
+
+    def __contains__(self, module: str) -> bool:
+        return self.file is not None and (module, "") in self.file
+
+    def __getitem__(self, module: str) -> torch.Tensor:
+        if module not in self:
+            raise KeyError(module)
+        return self.file[(module, "")].bool()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from core.files import atomic_save_safetensors, read_safetensors, safetensors_metadata
+from core.files import atomic_save_safetensors, check_finite, open_safetensors, read_safetensors, safetensors_metadata
 from core.hf_names import from_hf_name, to_hf_name
 
 
@@ -37,3 +37,25 @@ def load_side_file(path: str | Path) -> tuple[dict[tuple[str, str], torch.Tensor
         module, suffix = _split(key)
         tensors[(from_hf_name(module), suffix)] = t
     return tensors, safetensors_metadata(path)
+
+
+class SideFileOnDisk:
+    """A side file read one tensor at a time, when asked for ({(module, suffix): tensor} like load_side_file,
+    without holding the file: streamed stages)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        with open_safetensors(self.path) as f:
+            self._keys = {(from_hf_name(m), suffix): key for key in f.keys() for m, suffix in [_split(key)]}
+
+    def keys(self):
+        return self._keys.keys()
+
+    def __contains__(self, item) -> bool:
+        return item in self._keys
+
+    def __getitem__(self, item) -> torch.Tensor:
+        with open_safetensors(self.path) as f:
+            t = f.get_tensor(self._keys[item])
+        check_finite(self._keys[item], t, self.path)
+        return t

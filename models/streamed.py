@@ -131,3 +131,19 @@ def footprint(cfg: LlamaConfig, n_windows: int, seq_len: int, batch_size: int, f
     return {"total": max(embed, per_block), "embedding_phase": embed, "block_phase": per_block,
             "block_weights": block, "activations": activations, "batch_temporaries": batch,
             "statistics": stats, "solver": solve}
+
+
+def check_memory(stream: StreamedModel, limit_gib: float, n_windows: int, seq_len: int, batch_size: int,
+                 forward_dtype: torch.dtype, hessian: bool) -> dict:
+    """The streamed calibration's estimated footprint, refused (one line) when it exceeds the limit
+    (--max-memory); returns what a manifest records."""
+    if not limit_gib > 0:
+        raise SmeltError(f"--max-memory {limit_gib} must be a positive number of GiB")
+    need = footprint(stream.cfg, n_windows, seq_len, batch_size, torch.empty((), dtype=forward_dtype).element_size(),
+                     hessian)
+    if need["total"] > limit_gib * 2**30:
+        parts = ", ".join(f"{k.replace('_', ' ')} {v / 2**30:.3f}" for k, v in need.items()
+                          if k not in ("total", "embedding_phase", "block_phase"))
+        raise SmeltError(f"--max-memory {limit_gib} GiB is less than the streamed calibration needs: "
+                         f"{need['total'] / 2**30:.3f} GiB ({parts} GiB); raise it or use fewer --calib-windows")
+    return {"max_memory_gib": limit_gib, "footprint_gib": {k: round(v / 2**30, 4) for k, v in need.items()}}

@@ -36,7 +36,7 @@ from core.obs import timed_inverses
 from core.patterns import NMPattern
 from models.hf_io import load_hf, load_tokenizer, save_hf
 from models.llama import DEFAULT_SKIP, linear_names
-from models.streamed import StreamedModel, footprint
+from models.streamed import StreamedModel, check_memory
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 from prune import algorithms
 from prune.patterns import check_sparsity
@@ -288,17 +288,18 @@ def main(argv: list[str] | None = None) -> None:
     if out.resolve() == teacher_dir.resolve():
         raise SmeltError(f"--out {out} is the teacher directory itself")
     tokenizer = load_tokenizer(teacher_dir)
+    calibrated = args.method in CALIBRATED
     before_model = peak_rss_gib()  # interpreter, torch, tokenizer: what no --max-memory can cut
     stream = StreamedModel(teacher_dir, default_device()) if args.max_memory is not None else None
     model = stream.model if stream else load_hf(teacher_dir, device=str(default_device()))
     targets = check_settings(model, args.method, sparsity, pattern, skip, args.blocksize, args.percdamp)
-    need = _check_memory(stream, args.max_memory, cfg, args.method) if stream else None
+    need = check_memory(stream, args.max_memory, cfg.n_windows if calibrated else 0, cfg.seq_len, cfg.batch_size,
+                        cfg.forward_dtype(stream.device), hessian=args.method in ("sparsegpt", "obs")) if stream else None
     dense = {}
     if args.protect:
         c = model.cfg
         protected = read_protected(args.protect, list(model.layers), c.n_heads, "--protect")
         dense = protected_rows(protected, c.n_heads, c.n_kv_heads, c.head_dim)
-    calibrated = args.method in CALIBRATED
     windows = cfg.windows(tokenizer) if calibrated else None
     settings = {
         "method": args.method, "pattern": str(pattern) if pattern else None, "sparsity": sparsity,
@@ -352,21 +353,6 @@ def _prune_streamed(prune: Callable, stream: StreamedModel, tmp: Path, targets: 
         masks_out.abort()
         raise
     return report
-
-
-def _check_memory(stream: StreamedModel, limit_gib: float, cfg: CalibConfig, method: str) -> dict:
-    """The streamed calibration's estimated footprint, refused (one line) when it exceeds --max-memory."""
-    if not limit_gib > 0:
-        raise SmeltError(f"--max-memory {limit_gib} must be a positive number of GiB")
-    fwd_bytes = torch.empty((), dtype=cfg.forward_dtype(stream.device)).element_size()
-    need = footprint(stream.cfg, cfg.n_windows if method in CALIBRATED else 0, cfg.seq_len, cfg.batch_size,
-                     fwd_bytes, hessian=method in ("sparsegpt", "obs"))
-    if need["total"] > limit_gib * 2**30:
-        parts = ", ".join(f"{k.replace('_', ' ')} {v / 2**30:.3f}" for k, v in need.items()
-                          if k not in ("total", "embedding_phase", "block_phase"))
-        raise SmeltError(f"--max-memory {limit_gib} GiB is less than the streamed calibration needs: "
-                         f"{need['total'] / 2**30:.3f} GiB ({parts} GiB); raise it or use fewer --calib-windows")
-    return {"max_memory_gib": limit_gib, "footprint_gib": {k: round(v / 2**30, 4) for k, v in need.items()}}
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,22 +23,31 @@ from core.device import default_device, peak_rss_gib, release_memory
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.evaluation import evaluate_dir
 from core.files import atomic_dir
-from core.masks import load_dense_rows, load_masks, save_masks
+from core.masks import MASKS_FILE, MasksOnDisk, load_dense_rows, load_masks, save_masks
 from models.hf_io import load_hf, load_tokenizer, save_hf
 from models.llama import DEFAULT_SKIP
 from models.mtp import MTP_FILE
+from models.streamed import StreamedModel, check_memory
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 from qat.fake_quant import quantized_linears
 from qat.gptq import gptq_quantize
-from qat.qparams import save_qparams, spec_to_dict
+from qat.qparams import StreamedQparams, save_qparams, spec_to_dict
 from qat.quantizers import QuantSpec, check_group, rtn
 
 
 def quantize_model(model, method: str, spec: QuantSpec, masks: dict, windows: torch.Tensor | None,
                    calib: CalibConfig | None = None, blocksize: int = 128, percdamp: float = 0.01,
-                   act_order: bool = False, skip: tuple[str, ...] = DEFAULT_SKIP, progress: bool = True):
-    """Quantize the model's linears in place; returns ({name: (scale, zp)}, report)."""
+                   act_order: bool = False, skip: tuple[str, ...] = DEFAULT_SKIP, progress: bool = True,
+                   stream: StreamedModel | None = None, write_qparams: Callable[[dict], None] | None = None):
+    """Quantize the model's linears in place; returns ({name: (scale, zp)}, report).
+
+    stream: the model is a StreamedModel's (meta until each block is loaded); each block's qparams then go
+    to `write_qparams` as soon as the block is done, and the returned dict is empty."""
     names = quantized_linears(model, skip, field="--skip")
+    outside = [n for n in names if not n.startswith("layers.")]
+    if stream is not None and outside:
+        raise SmeltError(f"--max-memory streams the transformer blocks only; {outside[0]} is outside them "
+                         "(add it to --skip)")
     modules = dict(model.named_modules())
     for name in names:  # refuse before doing any work
         check_group(modules[name].in_features, spec.group_size, name)
@@ -68,18 +78,30 @@ def quantize_model(model, method: str, spec: QuantSpec, masks: dict, windows: to
             qparams[name] = (s_i.contiguous(), None if z_i is None else z_i.contiguous())
         seconds["quantize_s"] += time.perf_counter() - t0
 
-    if method == "rtn":
+    def block_done(block_name: str) -> None:
+        if write_qparams is not None:  # streamed: this block's qparams leave now, not at the end
+            write_qparams({n: qparams.pop(n) for n in list(qparams) if n.startswith(block_name + ".")})
+
+    if method == "rtn" and stream is not None:  # each block loaded, quantized, written, freed
+        for key, block in model.layers.items():
+            stream.load(f"layers.{key}", block)
+            for name in (n for n in names if n.startswith(f"layers.{key}.")):
+                quantize_group([name], None)
+            block_done(f"layers.{key}")
+            stream.release(f"layers.{key}", block)
+    elif method == "rtn":
         for name in names:
             quantize_group([name], None)
     elif method == "gptq":
         def on_block(block_name, block, stats):
             for group in shared_inputs(stats):
                 quantize_group(group, stats[group[0]].H)
+            block_done(block_name)
         seconds.update(run_blocks(model, windows, on_block, calib or CalibConfig(), targets=set(names),
-                                  progress=progress))
+                                  progress=progress, stream=stream))
     else:
         raise SmeltError(f"--method {method!r} is not one of rtn, gptq")
-    return qparams, {"modules": len(qparams), "seconds": seconds}
+    return qparams, {"modules": len(names), "seconds": seconds}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -109,6 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip", default=",".join(DEFAULT_SKIP),
                     help="modules left in full precision: full names, dotted prefixes ('layers.0') or "
                          "suffixes ('feed_forward.w2'), comma-separated")
+    ap.add_argument("--max-memory", type=float, metavar="GIB",
+                    help="stream the model: blocks read from the checkpoint one at a time and the artifact "
+                         "written block by block, refused unless the calibration's estimated footprint fits GIB")
     ap.add_argument("--eval", action="store_true", help="evaluate against the teacher into the manifest")
     args = ap.parse_args(argv)
     skip = tuple(s.strip() for s in args.skip.split(",") if s.strip())
@@ -123,23 +148,44 @@ def main(argv: list[str] | None = None) -> None:
                             corpus=args.calib_corpus, forward=args.calib_forward, hessian=args.calib_hessian)
     teacher_dir = resolve_teacher(args.teacher)
     src = Path(args.artifact) if args.artifact else teacher_dir
-    model = load_hf(src, device=str(default_device()))  # calibration on the GPU when one is present
+    device = default_device()  # calibration on the GPU when one is present
+    before_model = peak_rss_gib()  # interpreter, torch: what no --max-memory can cut
+    stream = StreamedModel(src, device) if args.max_memory is not None else None
+    model = stream.model if stream else load_hf(src, device=str(device))
     tokenizer = load_tokenizer(teacher_dir)
-    masks = load_masks(src)
-    quantized_linears(model, skip, field="--skip")  # refuse a bad --skip before calibrating
+    masks = MasksOnDisk(src) if stream else load_masks(src)
+    names = quantized_linears(model, skip, field="--skip")  # refuse a bad --skip before calibrating
+    need = None
+    if stream is not None:
+        need = check_memory(stream, args.max_memory, calib.n_windows if calib else 0, args.calib_seq_len,
+                            calib.batch_size if calib else 1,
+                            calib.forward_dtype(device) if calib else torch.float32, hessian=calib is not None)
     if calib is not None:
         windows = calib.windows(tokenizer)
-    t0 = time.perf_counter()
-    qparams, report = quantize_model(model, args.method, spec, masks, windows, calib, args.blocksize,
-                                     args.percdamp, args.act_order, skip)
-    report["wall_s"] = time.perf_counter() - t0
-    report["peak_rss_gib"] = round(peak_rss_gib(), 3)  # load + calibration (the eval runs apart)
-    metrics = {"ptq": report}
+
+    def quantize(**kw):
+        return quantize_model(model, args.method, spec, masks, windows, calib, args.blocksize, args.percdamp,
+                              args.act_order, skip, **kw)
+
     with atomic_dir(out, overwrite=args.overwrite) as tmp:
-        save_hf(model, tmp, tokenizer=tokenizer)
-        save_qparams(model, qparams, spec, tmp)
-        if masks:
-            save_masks(model, masks, tmp, load_dense_rows(src))
+        t0 = time.perf_counter()
+        if stream is None:
+            qparams, report = quantize()
+        else:
+            report = _quantize_streamed(quantize, stream, tmp, names, spec)
+        report["wall_s"] = time.perf_counter() - t0
+        report["peak_rss_gib"] = round(peak_rss_gib(), 3)  # load + calibration (the eval runs apart)
+        report["peak_rss_before_model_gib"] = round(before_model, 3)
+        metrics = {"ptq": report}
+        if stream is None:
+            save_hf(model, tmp, tokenizer=tokenizer)
+            save_qparams(model, qparams, spec, tmp)
+            if masks:
+                save_masks(model, masks, tmp, load_dense_rows(src))
+        else:
+            tokenizer.save_pretrained(str(tmp))
+            if masks:  # GPTQ never changes a mask, and a streamed model keeps its layer numbers
+                shutil.copy2(src / MASKS_FILE, tmp / MASKS_FILE)
         if (src / MTP_FILE).is_file():  # carried through; its metadata names the model it was trained on
             shutil.copy2(src / MTP_FILE, tmp / MTP_FILE)
         if args.eval:
@@ -149,9 +195,26 @@ def main(argv: list[str] | None = None) -> None:
         write_manifest(tmp, stage="ptq", settings={
             "method": args.method, "spec": spec_to_dict(spec), "act_order": args.act_order,
             "blocksize": args.blocksize, "percdamp": args.percdamp, "source": str(src), "skip": list(skip),
-            "calibration": calib.record(default_device()) if calib else None},
+            "calibration": calib.record(default_device()) if calib else None, "stream": need},
             metrics=metrics, parent=parent_record(src))
     print(f"wrote {out} ({report['modules']} modules, {report['wall_s']:.0f}s)")
+
+
+def _quantize_streamed(quantize: Callable, stream: StreamedModel, tmp: Path, names: list[str],
+                       spec: QuantSpec) -> dict:
+    """Quantize with the artifact's weights and qparams written block by block as calibration finishes them."""
+    shapes = {n: tuple(stream.model.get_submodule(n).weight.shape) for n in names}
+    stream.open_output(tmp)
+    qout = StreamedQparams(tmp, shapes, spec)
+    try:
+        _, report = quantize(stream=stream, write_qparams=qout.write)
+        stream.close_output()
+        qout.close()
+    except BaseException:
+        stream.abort_output()
+        qout.abort()
+        raise
+    return report
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_config
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -107,3 +108,40 @@ def test_footprint_is_linear_in_windows_and_names_its_parts():
     assert b["activations"] == 2 * a["activations"] and b["block_weights"] == a["block_weights"]
     assert b["block_phase"] - a["block_phase"] == a["activations"]
     assert footprint(cfg, 64, 512, 8, 4, hessian=False)["statistics"] < a["statistics"]
+
+
+@pytest.mark.parametrize("method", ["gptq", "rtn"])
+def test_streamed_ptq_equals_the_in_memory_one_and_keeps_the_masks(tiny_model_dir, tmp_path, method):
+    from qat.ptq import main as ptq
+
+    pruned = tmp_path / "pruned"
+    run_cli(lambda: main(["--teacher", str(tiny_model_dir), "--method", "magnitude", "--pattern", "2:4",
+                          "--out", str(pruned)]))
+    common = ["--teacher", str(tiny_model_dir), "--artifact", str(pruned), "--method", method,
+              "--group-size", "32", "--calib-windows", "4", "--calib-seq-len", "64"]
+    run_cli(lambda: ptq([*common, "--out", str(tmp_path / "mem")]))
+    run_cli(lambda: ptq([*common, "--out", str(tmp_path / "stream"), "--max-memory", "0.05"]))
+    for name in ("model.safetensors", "qparams.safetensors", "masks.safetensors"):
+        a, b = load_file(tmp_path / "mem" / name), load_file(tmp_path / "stream" / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    with safe_open(tmp_path / "stream" / "qparams.safetensors", "pt") as f, \
+            safe_open(tmp_path / "mem" / "qparams.safetensors", "pt") as g:
+        assert f.metadata() == g.metadata()
+    streamed = json.loads((tmp_path / "stream" / "manifest.json").read_text())
+    assert streamed["settings"]["stream"]["max_memory_gib"] == 0.05
+
+
+def test_streamed_ptq_refuses_a_quantized_head(tmp_path, byte_tokenizer, capsys):
+    from models.hf_io import save_hf
+    from models.llama import build_model
+    from qat.ptq import main as ptq
+
+    untied = tmp_path / "untied"  # a head of its own: quantizable, but not a block
+    untied.mkdir()
+    save_hf(build_model(tiny_config(tie_embeddings=False), seed=1), untied, tokenizer=byte_tokenizer)
+    with pytest.raises(SystemExit) as exc:
+        run_cli(lambda: ptq(["--teacher", str(untied), "--method", "rtn", "--group-size", "32",
+                             "--skip", "tok_embeddings", "--out", str(tmp_path / "out"), "--max-memory", "1"]))
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and "output is outside them (add it to --skip)" in err, err
+    assert not (tmp_path / "out").exists()
