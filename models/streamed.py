@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from core.device import release_memory
+from core.device import release_memory, return_freed_memory_at_once
 from core.errors import SmeltError
 from core.files import check_finite, open_safetensors
 from core.hf_names import from_hf_name, to_hf_name
@@ -35,6 +35,7 @@ class StreamedModel:
         with torch.device("meta"):
             self.model = Transformer(cfg)
         self.index = checkpoint_index(self.dir, cfg)  # every name and shape checked; no data read
+        return_freed_memory_at_once()
         self.device = torch.device(device)
         self.model.init_rope(self.device)
         self._out: StreamedSafetensors | None = None
@@ -47,14 +48,16 @@ class StreamedModel:
     # ---- the engine's side ------------------------------------------------------------------------
     @torch.no_grad()
     def load(self, name: str, module: nn.Module) -> None:
-        """Materialise `module` (our name `name`: "tok_embeddings", "layers.K") from the checkpoint."""
-        module.to_empty(device=self.device)
-        for pname, p in module.named_parameters():
+        """Materialise `module` (our name `name`: "tok_embeddings", "layers.K") from the checkpoint: each
+        tensor read becomes the parameter itself (no second copy: the embedding is the largest tensor)."""
+        for pname, p in list(module.named_parameters()):
             f, hf = self.index[f"{name}.{pname}"]
             with open_safetensors(f) as st:
                 t = st.get_tensor(hf)
             check_finite(hf, t, f)
-            p.copy_(t.to(p.dtype))
+            owner, _, leaf = pname.rpartition(".")
+            sub = module.get_submodule(owner) if owner else module
+            sub._parameters[leaf] = nn.Parameter(t.to(self.device, p.dtype), requires_grad=p.requires_grad)
 
     def release(self, name: str, module: nn.Module) -> None:
         """Done with `module`: a block's final weights go to the output (when one is open), then it is freed."""
