@@ -11,7 +11,13 @@ from pathlib import Path
 
 import torch
 
-from core.files import atomic_save_safetensors, check_finite, open_safetensors, read_safetensors, safetensors_metadata
+from core.files import (
+    atomic_save_safetensors,
+    check_finite,
+    open_safetensors,
+    read_safetensors,
+    safetensors_metadata,
+)
 from core.hf_names import from_hf_name, to_hf_name
 
 
@@ -46,7 +52,8 @@ class SideFileOnDisk:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         with open_safetensors(self.path) as f:
-            self._keys = {(from_hf_name(m), suffix): key for key in f.keys() for m, suffix in [_split(key)]}
+            names = f.keys()  # a safe_open handle, not a dict
+        self._keys = {(from_hf_name(m), suffix): key for key in names for m, suffix in [_split(key)]}
 
     def keys(self):
         return self._keys.keys()

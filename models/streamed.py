@@ -9,6 +9,7 @@ in row chunks. core.calibrate.run_blocks drives it (`stream=`); `footprint` is w
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -113,6 +114,22 @@ class StreamedModel:
         if self._out is not None:
             self._out.abort()
             self._out = None
+
+    @contextlib.contextmanager
+    def writing(self, out_dir: str | Path, *side_files):
+        """open_output, and at the end close it and the side files being streamed alongside it (each with
+        close/abort), or on an error abort them all: no partial file is left."""
+        try:
+            self.open_output(out_dir)
+            yield
+            self.close_output()
+            for f in side_files:
+                f.close()
+        except BaseException:
+            self.abort_output()
+            for f in side_files:
+                f.abort()
+            raise
 
 
 def footprint(cfg: LlamaConfig, n_windows: int, seq_len: int, batch_size: int, forward_bytes: int,

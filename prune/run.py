@@ -31,9 +31,10 @@ from core.errors import ArgumentParser, SmeltError, run_cli
 from core.evaluation import evaluate_dir
 from core.files import atomic_dir
 from core.masks import StreamedMasks, save_masks
-from core.protected import dense_rows as protected_rows, read_protected
 from core.obs import timed_inverses
 from core.patterns import NMPattern
+from core.protected import dense_rows as protected_rows
+from core.protected import read_protected
 from models.hf_io import load_hf, load_tokenizer, save_hf
 from models.llama import DEFAULT_SKIP, linear_names
 from models.streamed import StreamedModel, check_memory
@@ -320,10 +321,13 @@ def main(argv: list[str] | None = None) -> None:
             save_hf(model, tmp, tokenizer=tokenizer)
             save_masks(model, masks, tmp, dense)
             del masks  # one byte per weight: freed before the evaluation's full-vocabulary temporaries
-        else:
-            report = _prune_streamed(prune, stream, tmp, targets, dense)
+        else:  # weights and masks written block by block as calibration finishes them
+            streamed_masks = StreamedMasks(tmp, {n: tuple(model.get_submodule(n).weight.shape) for n in targets},
+                                           dense)
+            with stream.writing(tmp, streamed_masks):
+                _, report = prune(stream=stream, write_masks=streamed_masks.write)
             tokenizer.save_pretrained(str(tmp))
-        del windows
+        windows = None  # the calibration's; freed before the evaluation
         print(_summary(args.method, report), file=sys.stderr)
         metrics = {k: report[k] for k in ("sparsity", "pruned_params", "total_params", "per_module", "timings_s")}
         metrics["peak_rss_gib"] = round(peak_rss_gib(), 3)  # this process: load + calibration (the eval runs apart)
@@ -336,23 +340,6 @@ def main(argv: list[str] | None = None) -> None:
         write_manifest(tmp, stage="prune", settings=settings, metrics=metrics,
                        parent={"path": str(teacher_dir), "fingerprint": weights_fingerprint(teacher_dir)})
     print(out)
-
-
-def _prune_streamed(prune: Callable, stream: StreamedModel, tmp: Path, targets: list[str],
-                    dense: dict[str, torch.Tensor]) -> dict:
-    """Prune with the artifact's weights and masks written block by block as calibration finishes them."""
-    shapes = {n: tuple(stream.model.get_submodule(n).weight.shape) for n in targets}
-    stream.open_output(tmp)
-    masks_out = StreamedMasks(tmp, shapes, dense)
-    try:
-        _, report = prune(stream=stream, write_masks=masks_out.write)
-        stream.close_output()
-        masks_out.close()
-    except BaseException:
-        stream.abort_output()
-        masks_out.abort()
-        raise
-    return report
 
 
 if __name__ == "__main__":

@@ -171,8 +171,10 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         if stream is None:
             qparams, report = quantize()
-        else:
-            report = _quantize_streamed(quantize, stream, tmp, names, spec)
+        else:  # weights and qparams written block by block as calibration finishes them
+            qout = StreamedQparams(tmp, {n: tuple(model.get_submodule(n).weight.shape) for n in names}, spec)
+            with stream.writing(tmp, qout):
+                _, report = quantize(stream=stream, write_qparams=qout.write)
         report["wall_s"] = time.perf_counter() - t0
         report["peak_rss_gib"] = round(peak_rss_gib(), 3)  # load + calibration (the eval runs apart)
         report["peak_rss_before_model_gib"] = round(before_model, 3)
@@ -198,23 +200,6 @@ def main(argv: list[str] | None = None) -> None:
             "calibration": calib.record(default_device()) if calib else None, "stream": need},
             metrics=metrics, parent=parent_record(src))
     print(f"wrote {out} ({report['modules']} modules, {report['wall_s']:.0f}s)")
-
-
-def _quantize_streamed(quantize: Callable, stream: StreamedModel, tmp: Path, names: list[str],
-                       spec: QuantSpec) -> dict:
-    """Quantize with the artifact's weights and qparams written block by block as calibration finishes them."""
-    shapes = {n: tuple(stream.model.get_submodule(n).weight.shape) for n in names}
-    stream.open_output(tmp)
-    qout = StreamedQparams(tmp, shapes, spec)
-    try:
-        _, report = quantize(stream=stream, write_qparams=qout.write)
-        stream.close_output()
-        qout.close()
-    except BaseException:
-        stream.abort_output()
-        qout.abort()
-        raise
-    return report
 
 
 if __name__ == "__main__":

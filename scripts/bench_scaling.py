@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from models.llama import LlamaConfig  # noqa: E402
+from models.llama import LlamaConfig
 
 MIX = "wikitext2-valid+code-train+zh-train"
 SEQ = 512
@@ -55,7 +55,7 @@ def cut_teacher(teacher: Path, layers: int, out: Path) -> Path:
     """The teacher's first `layers` blocks, embedding and head, as an HF directory."""
     if (out / "config.json").is_file():
         return out
-    import torch.nn as nn
+    from torch import nn
 
     from models.hf_io import load_hf, load_tokenizer, save_hf
 
