@@ -12,7 +12,8 @@ The 8B / 70B figures are an ESTIMATE, not a measurement: each phase's seconds pe
 scaled by that phase's operation count for the bigger block (forward: matmul FLOPs per token; XᵀX: tokens
 x in²; inverses: in³; the SparseGPT sweep: rows x in²), which is what this CPU would take; for one H100
 the same operation counts are divided by the sustained rates stated in H100_RATES (assumptions, listed in
-the JSON), not by anything measured.
+the JSON), not by anything measured: a lower bound, since the sweeps' per-column Python steps and the
+transfers are not counted.
 """
 from __future__ import annotations
 
@@ -79,14 +80,20 @@ def run_point(teacher: Path, windows: int, out: Path, forward: str, limit: float
 
 
 def fit(points: list[dict]) -> dict:
-    """total_s ≈ a + b * windows * layers (least squares) and each point's relative residual."""
-    xs = [p["windows"] * p["layers"] for p in points]
+    """total_s ≈ a * windows * layers + c * layers (least squares, no intercept): a per-token-per-block cost
+    (forwards, XᵀX) and a per-block cost that no window count changes (inverses, sweeps); with each
+    point's relative residual."""
+    xs = [(p["windows"] * p["layers"], p["layers"]) for p in points]
     ys = [p["timings_s"]["total_s"] for p in points]
-    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    a = my - b * mx
-    return {"intercept_s": a, "s_per_window_layer": b,
-            "residuals": [round((y - (a + b * x)) / y, 4) for x, y in zip(xs, ys)], "n": n}
+    s11 = sum(x * x for x, _ in xs)
+    s12 = sum(x * z for x, z in xs)
+    s22 = sum(z * z for _, z in xs)
+    t1 = sum(x * y for (x, _), y in zip(xs, ys))
+    t2 = sum(z * y for (_, z), y in zip(xs, ys))
+    det = s11 * s22 - s12 * s12
+    a, c = (t1 * s22 - t2 * s12) / det, (s11 * t2 - s12 * t1) / det
+    return {"s_per_window_per_layer": a, "s_per_layer": c,
+            "residuals": [round((y - (a * x + c * z)) / y, 4) for (x, z), y in zip(xs, ys)], "n": len(xs)}
 
 
 def estimate(ref: dict, cfg_small: LlamaConfig) -> dict:
@@ -143,22 +150,27 @@ def main() -> None:
     ap.add_argument("--layers", default="10,20,30")
     ap.add_argument("--forward", default="bfloat16", help="--calib-forward of every point (the recipe's)")
     ap.add_argument("--max-memory", type=float, default=1.0, help="--max-memory of every point (GiB)")
+    ap.add_argument("--reanalyse", action="store_true", help="refit and re-estimate OUT/summary.json's points")
     args = ap.parse_args()
     from models.hf_io import config_from_hf, read_hf_config
     from models.teacher import resolve_teacher
 
     teacher = Path(args.teacher) if args.teacher else resolve_teacher("smollm2-135m")
     cfg = config_from_hf(read_hf_config(teacher))
-    points = []
-    for w in (int(x) for x in args.windows.split(",")):
-        points.append(run_point(teacher, w, args.runs / f"w{w}-l{cfg.n_layers}", args.forward, args.max_memory))
-    for L in (int(x) for x in args.layers.split(",")):
-        if L != cfg.n_layers:
-            cut = cut_teacher(teacher, L, args.runs / f"teacher-l{L}")
-            points.append(run_point(cut, 128, args.runs / f"w128-l{L}", args.forward, args.max_memory))
+    if args.reanalyse:
+        summary = json.loads((args.out / "summary.json").read_text())
+        points = summary["points"]
+    else:
+        points = []
+        for w in (int(x) for x in args.windows.split(",")):
+            points.append(run_point(teacher, w, args.runs / f"w{w}-l{cfg.n_layers}", args.forward, args.max_memory))
+        for L in (int(x) for x in args.layers.split(",")):
+            if L != cfg.n_layers:
+                cut = cut_teacher(teacher, L, args.runs / f"teacher-l{L}")
+                points.append(run_point(cut, 128, args.runs / f"w128-l{L}", args.forward, args.max_memory))
+        summary = {"command": " ".join(sys.argv), "seq_len": SEQ, "forward": args.forward, "points": points}
     ref = next(p for p in points if p["windows"] == 128 and p["layers"] == cfg.n_layers)
-    summary = {"command": " ".join(sys.argv), "seq_len": SEQ, "forward": args.forward, "points": points,
-               "fit": fit(points), "estimate": estimate(ref, cfg)}
+    summary.update(fit=fit(points), estimate=estimate(ref, cfg))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(points, args.out / "scaling.png")
