@@ -14,9 +14,8 @@ from pathlib import Path
 import torch
 
 from core.errors import SmeltError
-from core.hf_names import layer_index, to_hf_name
-from core.safetensors_stream import StreamedSafetensors
-from core.sidefiles import SideFileOnDisk, load_side_file, save_side_file
+from core.hf_names import layer_index
+from core.sidefiles import SideFileOnDisk, StreamedSideFile, load_side_file, save_side_file
 
 MASKS_FILE = "masks.safetensors"
 MASKS_FORMAT = "smelt-masks/1"
@@ -25,50 +24,44 @@ MASKS_FORMAT = "smelt-masks/1"
 DENSE_ROWS = "weight_dense_rows"
 
 
+def _mask_tensors(masks: dict[str, torch.Tensor], dense_rows: dict[str, torch.Tensor]) -> dict:
+    """{(module, suffix): tensor} of masks and their declared dense rows (which must be all kept)."""
+    tensors = {(k, ""): v.to(torch.bool) for k, v in masks.items()}
+    for k, rows in dense_rows.items():
+        if k not in masks or not bool(masks[k][rows.to(masks[k].device)].all()):
+            raise SmeltError(f"{MASKS_FILE}: {k} declares dense rows its keep-mask prunes")
+        tensors[(k, DENSE_ROWS)] = rows.to(torch.bool)
+    return tensors
+
+
+_MASKS_META = {"format": MASKS_FORMAT, "keep": "True"}
+
+
 def save_masks(model, masks: dict[str, torch.Tensor], out_dir: str | Path,
                dense_rows: dict[str, torch.Tensor] | None = None) -> None:
     """Masks (and declared dense rows) under the HF module names of the saved weights (layers renumbered
     like save_hf)."""
-    tensors = {(k, ""): v.to(torch.bool) for k, v in masks.items()}
-    for k, rows in (dense_rows or {}).items():
-        if k not in masks or not bool(masks[k][rows.to(masks[k].device)].all()):
-            raise SmeltError(f"{MASKS_FILE}: {k} declares dense rows its keep-mask prunes")
-        tensors[(k, DENSE_ROWS)] = rows.to(torch.bool)
-    save_side_file(Path(out_dir) / MASKS_FILE, tensors, layer_index(model),
-                   metadata={"format": MASKS_FORMAT, "keep": "True"})
+    save_side_file(Path(out_dir) / MASKS_FILE, _mask_tensors(masks, dense_rows or {}), layer_index(model),
+                   metadata=_MASKS_META)
 
 
-class StreamedMasks:
+class StreamedMasks(StreamedSideFile):
     """The masks file save_masks writes, written block by block as the masks are final (streamed
     calibration: the masks of a model larger than memory are never held whole). Layers keep their numbers."""
 
     def __init__(self, out_dir: str | Path, shapes: dict[str, tuple[int, ...]],
                  dense_rows: dict[str, torch.Tensor] | None = None):
         self.dense = dense_rows or {}
-        self.order, layout = list(shapes), []
+        layout = []
         for k, shape in shapes.items():
-            layout.append((to_hf_name(k), torch.bool, tuple(shape)))
+            layout.append(((k, ""), torch.bool, tuple(shape)))
             if k in self.dense:
-                layout.append((f"{to_hf_name(k)}.{DENSE_ROWS}", torch.bool, (int(shape[0]),)))
-        self.file = StreamedSafetensors(Path(out_dir) / MASKS_FILE, layout,
-                                        metadata={"format": MASKS_FORMAT, "keep": "True"})
+                layout.append(((k, DENSE_ROWS), torch.bool, (int(shape[0]),)))
+        super().__init__(Path(out_dir) / MASKS_FILE, layout, _MASKS_META)
 
     def write(self, masks: dict[str, torch.Tensor]) -> None:
-        """Some modules' final masks (a block's), in any order; they are written in the file's order."""
-        for k in sorted(masks, key=self.order.index):
-            mask = masks[k].to(torch.bool)
-            self.file.write(to_hf_name(k), mask)
-            if k in self.dense:
-                rows = self.dense[k].to(torch.bool)
-                if not bool(mask[rows.to(mask.device)].all()):
-                    raise SmeltError(f"{MASKS_FILE}: {k} declares dense rows its keep-mask prunes")
-                self.file.write(f"{to_hf_name(k)}.{DENSE_ROWS}", rows)
-
-    def close(self) -> None:
-        self.file.close()
-
-    def abort(self) -> None:
-        self.file.abort()
+        """Some modules' final masks (a block's), in any order."""
+        super().write(_mask_tensors(masks, {k: self.dense[k] for k in masks if k in self.dense}))
 
 
 def load_masks(art_dir: str | Path) -> dict[str, torch.Tensor]:

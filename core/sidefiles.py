@@ -19,6 +19,7 @@ from core.files import (
     safetensors_metadata,
 )
 from core.hf_names import from_hf_name, to_hf_name
+from core.safetensors_stream import StreamedSafetensors
 
 
 def _split(key: str) -> tuple[str, str]:
@@ -26,14 +27,36 @@ def _split(key: str) -> tuple[str, str]:
     return (head, last) if head and last.startswith("weight_") else (key, "")
 
 
+def _hf_key(module: str, suffix: str, layer_index: dict[str, int] | None = None) -> str:
+    key = to_hf_name(module, layer_index)
+    return f"{key}.{suffix}" if suffix else key
+
+
 def save_side_file(path: str | Path, tensors: dict[tuple[str, str], torch.Tensor],
                    layer_index: dict[str, int] | None, metadata: dict[str, str]) -> None:
     """tensors: {(our module name, suffix or ""): tensor}; saved under HF names, layers renumbered."""
-    out = {}
-    for (module, suffix), t in tensors.items():
-        key = to_hf_name(module, layer_index)
-        out[f"{key}.{suffix}" if suffix else key] = t
+    out = {_hf_key(module, suffix, layer_index): t for (module, suffix), t in tensors.items()}
     atomic_save_safetensors(out, path, metadata=metadata)
+
+
+class StreamedSideFile:
+    """The file save_side_file writes, written a few modules at a time as they are final (streamed stages:
+    never held whole; layers keep their numbers). layout: [((module, suffix), dtype, shape)] in file order."""
+
+    def __init__(self, path: str | Path, layout: list, metadata: dict[str, str]):
+        self._rank = {key: i for i, (key, _, _) in enumerate(layout)}
+        self.file = StreamedSafetensors(path, [(_hf_key(*key), dt, shape) for key, dt, shape in layout], metadata)
+
+    def write(self, tensors: dict[tuple[str, str], torch.Tensor]) -> None:
+        """Some entries (a block's), in any order; they go to the file in its order."""
+        for key in sorted(tensors, key=self._rank.__getitem__):
+            self.file.write(_hf_key(*key), tensors[key])
+
+    def close(self) -> None:
+        self.file.close()
+
+    def abort(self) -> None:
+        self.file.abort()
 
 
 def load_side_file(path: str | Path) -> tuple[dict[tuple[str, str], torch.Tensor], dict[str, str]]:

@@ -86,6 +86,16 @@ def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     return out
 
 
+def write_config(cfg: LlamaConfig, n_layers: int, out_dir: str | Path, dtype: torch.dtype | None = None,
+                 extra: dict | None = None) -> None:
+    """config.json for a model of `n_layers` blocks (fewer than cfg's after depth pruning)."""
+    hf = config_to_hf(cfg, n_layers=n_layers)
+    if dtype is not None:
+        hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+    hf.update(extra or {})
+    (Path(out_dir) / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+
+
 def save_hf(model: Transformer, out_dir: str | Path, tokenizer=None, dtype: torch.dtype | None = None,
             extra_config: dict | None = None) -> None:
     """Write config.json, model.safetensors and tokenizer files into an existing directory."""
@@ -94,11 +104,7 @@ def save_hf(model: Transformer, out_dir: str | Path, tokenizer=None, dtype: torc
     if dtype is not None:
         sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
     atomic_save_safetensors(sd, out_dir / "model.safetensors", metadata={"format": "pt"})
-    cfg = config_to_hf(model.cfg, n_layers=len(model.layers))
-    if dtype is not None:
-        cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
-    cfg.update(extra_config or {})
-    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    write_config(model.cfg, len(model.layers), out_dir, dtype, extra_config)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out_dir))
 

@@ -10,7 +10,6 @@ in row chunks. core.calibrate.run_blocks drives it (`stream=`); `footprint` is w
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 import torch
@@ -21,7 +20,7 @@ from core.errors import SmeltError
 from core.files import check_finite, open_safetensors
 from core.hf_names import from_hf_name, to_hf_name
 from core.safetensors_stream import StreamedSafetensors
-from models.hf_io import checkpoint_index, config_from_hf, config_to_hf, read_hf_config
+from models.hf_io import checkpoint_index, config_from_hf, read_hf_config, write_config
 from models.llama import LlamaConfig, Transformer
 
 COPY_ROWS = 4096  # rows per chunk when an untouched tensor is copied to the output
@@ -51,14 +50,17 @@ class StreamedModel:
     def load(self, name: str, module: nn.Module) -> None:
         """Materialise `module` (our name `name`: "tok_embeddings", "layers.K") from the checkpoint: each
         tensor read becomes the parameter itself (no second copy: the embedding is the largest tensor)."""
-        for pname, p in list(module.named_parameters()):
-            f, hf = self.index[f"{name}.{pname}"]
-            with open_safetensors(f) as st:
-                t = st.get_tensor(hf)
-            check_finite(hf, t, f)
-            owner, _, leaf = pname.rpartition(".")
-            sub = module.get_submodule(owner) if owner else module
-            sub._parameters[leaf] = nn.Parameter(t.to(self.device, p.dtype), requires_grad=p.requires_grad)
+        with contextlib.ExitStack() as files:
+            handles = {}  # each checkpoint file opened once per module
+            for pname, p in list(module.named_parameters()):
+                f, hf = self.index[f"{name}.{pname}"]
+                if f not in handles:
+                    handles[f] = files.enter_context(open_safetensors(f))
+                t = handles[f].get_tensor(hf)
+                check_finite(hf, t, f)
+                owner, _, leaf = pname.rpartition(".")
+                sub = module.get_submodule(owner) if owner else module
+                sub._parameters[leaf] = nn.Parameter(t.to(self.device, p.dtype), requires_grad=p.requires_grad)
 
     def release(self, name: str, module: nn.Module) -> None:
         """Done with `module`: a block's final weights go to the output (when one is open), then it is freed."""
@@ -70,12 +72,9 @@ class StreamedModel:
 
     # ---- the output artifact ----------------------------------------------------------------------
     def _output_names(self) -> list[str]:
-        names = list(self.model.state_dict())
-        if self.cfg.tie_embeddings:
-            names.remove("output.weight")
-        head = [n for n in names if not n.startswith("layers.")]
-        front = [n for n in head if n.startswith("tok_embeddings.")]
-        return front + [n for n in names if n.startswith("layers.")] + [n for n in head if n not in front]
+        """model.safetensors' order: the embedding (copied first), the blocks as released, the rest."""
+        names = [n for n in self.model.state_dict() if not (self.cfg.tie_embeddings and n == "output.weight")]
+        return sorted(names, key=lambda n: 0 if n.startswith("tok_embeddings.") else 1 if n.startswith("layers.") else 2)
 
     def open_output(self, out_dir: str | Path) -> None:
         """Start out_dir/model.safetensors (fp32, as load_hf's model is saved) with the untouched embedding;
@@ -107,8 +106,7 @@ class StreamedModel:
             self._copy(self._out.pending)
         self._out.close()
         self._out = None
-        cfg = config_to_hf(self.cfg, n_layers=len(self.model.layers))
-        (self._out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        write_config(self.cfg, len(self.model.layers), self._out_dir)
 
     def abort_output(self) -> None:
         if self._out is not None:
@@ -132,18 +130,27 @@ class StreamedModel:
             raise
 
 
+def block_params(cfg: LlamaConfig) -> int:
+    """Parameters of one transformer block (two norms, attention, SwiGLU MLP)."""
+    d, q, kv = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return 2 * d + 2 * d * q + 2 * d * kv + 3 * d * cfg.ffn_hidden
+
+
+def linear_groups(cfg: LlamaConfig) -> list[tuple[int, int]]:
+    """(input width, rows solved together) of a block's linears that share an input: q/k/v, wo, w1/w3, w2."""
+    d, f, q, kv = cfg.dim, cfg.ffn_hidden, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return [(d, q + 2 * kv), (q, d), (d, 2 * f), (f, d)]
+
+
 def footprint(cfg: LlamaConfig, n_windows: int, seq_len: int, batch_size: int, forward_bytes: int,
               hessian: bool) -> dict[str, int]:
     """Bytes a streamed calibration holds at its peak, by part (an estimate from the shapes; the interpreter
     and libraries come on top). Two phases: embedding the windows, then one block at a time."""
-    d, f, h, q = cfg.dim, cfg.ffn_hidden, cfg.n_heads, cfg.n_heads * cfg.head_dim
-    kv = cfg.n_kv_heads * cfg.head_dim
-    block_params = 2 * d + 2 * d * q + 2 * d * kv + 3 * d * f
-    block = block_params * (4 + (forward_bytes if forward_bytes != 4 else 0))  # fp32 + a forward copy
+    d, f, h = cfg.dim, cfg.ffn_hidden, cfg.n_heads
+    block = block_params(cfg) * (4 + (forward_bytes if forward_bytes != 4 else 0))  # fp32 + a forward copy
     activations = n_windows * seq_len * d * forward_bytes  # the current block's inputs, replaced in place
     batch = batch_size * seq_len * (6 * d + 3 * f + h * seq_len) * 4  # one batch's temporaries
-    # (input width, rows solved together): q/k/v share an input, wo, w1/w3 share one, w2
-    groups = [(d, q + 2 * kv), (q, d), (d, 2 * f), (f, d)]
+    groups = linear_groups(cfg)
     stats = sum(i * i * 12 if hessian else i * 8 for i, _ in groups)  # fp64 sums + one fp32 product
     solve = max(3 * i * i * 4 + 3 * r * i * 4 for i, r in groups) if hessian else 0  # H, its inverse, W copies
     embed = cfg.vocab_size * d * 4 + activations + batch

@@ -16,9 +16,8 @@ from torch import nn
 
 from core.dtensor import copy_into
 from core.errors import SmeltError
-from core.hf_names import layer_index, to_hf_name
-from core.safetensors_stream import StreamedSafetensors
-from core.sidefiles import load_side_file, save_side_file
+from core.hf_names import layer_index
+from core.sidefiles import StreamedSideFile, load_side_file, save_side_file
 from qat.fake_quant import fake_quant_modules
 from qat.quantizers import QuantSpec
 
@@ -30,45 +29,42 @@ def spec_to_dict(spec: QuantSpec) -> dict:
             "scale_init": spec.scale_init}
 
 
-def save_qparams(model: nn.Module, qparams: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
-                 spec: QuantSpec, out_dir: str | Path) -> None:
-    """qparams: {our module name: (scale, zero_point or None)}; names saved as HF names."""
+def _qparam_tensors(qparams: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> dict:
     tensors = {}
     for name, (scale, zp) in qparams.items():
         tensors[(name, "weight_scale")] = scale.float()
         if zp is not None:
             tensors[(name, "weight_zero_point")] = zp.to(torch.int8)
-    save_side_file(Path(out_dir) / QPARAMS_FILE, tensors, layer_index(model),
-                   metadata={"format": "smelt-qparams/1", "spec": json.dumps(spec_to_dict(spec))})
+    return tensors
 
 
-class StreamedQparams:
+def _qparams_meta(spec: QuantSpec) -> dict[str, str]:
+    return {"format": "smelt-qparams/1", "spec": json.dumps(spec_to_dict(spec))}
+
+
+def save_qparams(model: nn.Module, qparams: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+                 spec: QuantSpec, out_dir: str | Path) -> None:
+    """qparams: {our module name: (scale, zero_point or None)}; names saved as HF names."""
+    save_side_file(Path(out_dir) / QPARAMS_FILE, _qparam_tensors(qparams), layer_index(model),
+                   metadata=_qparams_meta(spec))
+
+
+class StreamedQparams(StreamedSideFile):
     """The file save_qparams writes, written block by block (streamed calibration; layers keep their numbers).
     shapes: {our module name: weight shape}, in file order."""
 
     def __init__(self, out_dir: str | Path, shapes: dict[str, tuple[int, int]], spec: QuantSpec):
-        self.order, layout = list(shapes), []
+        layout = []
         for name, (rows, cols) in shapes.items():
             groups = 1 if spec.group_size in (None, -1) else cols // spec.group_size
-            layout.append((f"{to_hf_name(name)}.weight_scale", torch.float32, (rows, groups)))
+            layout.append(((name, "weight_scale"), torch.float32, (rows, groups)))
             if not spec.symmetric:
-                layout.append((f"{to_hf_name(name)}.weight_zero_point", torch.int8, (rows, groups)))
-        self.file = StreamedSafetensors(Path(out_dir) / QPARAMS_FILE, layout, metadata={
-            "format": "smelt-qparams/1", "spec": json.dumps(spec_to_dict(spec))})
+                layout.append(((name, "weight_zero_point"), torch.int8, (rows, groups)))
+        super().__init__(Path(out_dir) / QPARAMS_FILE, layout, _qparams_meta(spec))
 
     def write(self, qparams: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> None:
-        """Some modules' final (scale, zp), in any order; written in the file's order."""
-        for name in sorted(qparams, key=self.order.index):
-            scale, zp = qparams[name]
-            self.file.write(f"{to_hf_name(name)}.weight_scale", scale.float())
-            if zp is not None:
-                self.file.write(f"{to_hf_name(name)}.weight_zero_point", zp.to(torch.int8))
-
-    def close(self) -> None:
-        self.file.close()
-
-    def abort(self) -> None:
-        self.file.abort()
+        """Some modules' final (scale, zp), in any order."""
+        super().write(_qparam_tensors(qparams))
 
 
 def read_qparams(art_dir: str | Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor | None]], QuantSpec]:

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from models.llama import LlamaConfig
+from models.streamed import block_params, footprint, linear_groups
 
 MIX = "wikitext2-valid+code-train+zh-train"
 SEQ = 512
@@ -43,9 +44,8 @@ H100_RATES = {"forward_s": 450e12, "stats_s": 150e12, "prune_update_s": 150e12, 
 
 def ops(cfg: LlamaConfig, tokens: int, seq: int) -> dict[str, float]:
     """Operation counts of one block's calibration, by phase (the same phases the stage's manifest times)."""
-    d, f, q, kv = cfg.dim, cfg.ffn_hidden, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    groups = [(d, q + 2 * kv), (q, d), (d, 2 * f), (f, d)]  # (input width, rows solved together)
-    matmul = 2 * (d * (q + 2 * kv) + q * d + 3 * d * f) + 4 * seq * q  # per token, attention included
+    groups = linear_groups(cfg)
+    matmul = 2 * sum(i * r for i, r in groups) + 4 * seq * cfg.n_heads * cfg.head_dim  # per token, with attention
     return {"forward_s": 2 * tokens * matmul,  # the statistics pass and the pruned-output pass
             "stats_s": 2 * tokens * sum(i * i for i, _ in groups),
             "hessian_inverse_s": sum(i ** 3 for i, _ in groups),
@@ -107,20 +107,13 @@ def estimate(ref: dict, cfg_small: LlamaConfig) -> dict:
         big = ops(cfg, BIG_WINDOWS * BIG_SEQ, BIG_SEQ)
         cpu = sum(per_block[k] * big[k] / small[k] for k in big) * cfg.n_layers
         gpu = sum(big[k] / H100_RATES[k] for k in big) * cfg.n_layers
-        from models.streamed import footprint
-
         fp = footprint(cfg, BIG_WINDOWS, BIG_SEQ, 8, 2, hessian=True)
         out[name] = {"windows": f"{BIG_WINDOWS} x {BIG_SEQ}", "this_cpu_hours_estimate": round(cpu / 3600, 1),
                      "h100_minutes_estimate": round(gpu / 60, 1),
                      "streamed_footprint_gib": round(fp["total"] / 2**30, 1),
-                     "fp32_weights_gib": round(4 * (cfg.n_layers * _block_params(cfg) + cfg.vocab_size * cfg.dim * 2)
+                     "fp32_weights_gib": round(4 * (cfg.n_layers * block_params(cfg) + cfg.vocab_size * cfg.dim * 2)
                                                / 2**30, 1)}
     return {"assumed_h100_flops": H100_RATES, "models": out}
-
-
-def _block_params(cfg: LlamaConfig) -> int:
-    d, q, kv = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    return 2 * d + 2 * d * q + 2 * d * kv + 3 * d * cfg.ffn_hidden
 
 
 def plot(points: list[dict], path: Path) -> None:
