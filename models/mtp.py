@@ -27,6 +27,7 @@ from models.llama import KVCache, LlamaConfig, RMSNorm, Transformer, Transformer
 
 MTP_FILE = "mtp.safetensors"
 MTP_FORMAT = "smelt-mtp/1"
+MTP_TARGETS = ("teacher", "main")
 
 
 @dataclass(kw_only=True)
@@ -37,6 +38,10 @@ class MTPConfig:
     joint: bool = False       # also train the main model (its loss + weight * the MTP loss); default frozen
     weight: float = 1.0       # joint mode: weight of the MTP loss next to the main model's
     init: str = "last_block"  # a new module's block starts as a copy of the main model's last block, or "random"
+    # What the KL term distils to, k tokens ahead: "teacher" (the run's --teacher), or "main": the frozen main
+    # model's own distribution there. The main model is what verifies the drafts, so its distribution is the
+    # one acceptance is judged against, and it costs no teacher forward (its logits come from h^0).
+    target: str = "teacher"
 
     def __post_init__(self):
         if self.depth < 0:
@@ -45,6 +50,11 @@ class MTPConfig:
             raise SmeltError(f"mtp.weight={self.weight} must be > 0")
         if self.init not in ("last_block", "random"):
             raise SmeltError(f"mtp.init={self.init!r} is not 'last_block' or 'random'")
+        if self.target not in MTP_TARGETS:
+            raise SmeltError(f"mtp.target={self.target!r} is not one of {', '.join(MTP_TARGETS)}")
+        if self.target == "main" and self.joint:
+            raise SmeltError("mtp.target='main' needs a frozen main model (mtp.joint=false): a main model that "
+                             "trains would be chasing its own moving distribution")
 
 
 class MTPModule(nn.Module):

@@ -38,6 +38,7 @@ def acceptance_summary(accepted: list[int], gamma: int) -> dict:
 @dataclass
 class SpecStats:
     accepted: list[int] = field(default_factory=list)  # drafts accepted per round (one verification each)
+    drafted: list[list[int]] = field(default_factory=list)  # the round's drafts, d_1..d_gamma
 
     @property
     def rounds(self) -> int:
@@ -119,6 +120,7 @@ def speculative_generate(model: Transformer, heads: MTPHeads, prompt: torch.Tens
             nxt = int(next_token(logits[gamma][None], temperature, generator=generator))
         seq += drafts[:a] + [nxt]
         stats.accepted.append(a)
+        stats.drafted.append(drafts)
         keep = N + 1 + a            # main positions now verified
         for c in cache.values():
             c.truncate(keep)

@@ -63,6 +63,38 @@ def test_greedy_is_token_for_token_plain_greedy(block_scale, gamma):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_cached_drafts_are_the_teacher_forced_modules_predictions(depth):
+    """Every draft equals the argmax of the modules run teacher-forced over the final sequence: each level's
+    cache and hidden states, rolled back after rejected drafts, hold exactly what a full forward computes,
+    so acceptance measures the modules as they were trained. Depth 2: level 1 is the bigram oracle (often
+    accepted, sometimes not) and level 2 a random module with strong blocks, so level 2's context holds
+    states computed from rejected drafts unless the rollback drops them."""
+    model = _peaked(CFG, 1, 0.3)
+    heads = _oracle(CFG, depth)
+    strong = MTPHeads(CFG, depth)
+    strong.init_weights(seed=3)
+    with torch.no_grad():
+        m = heads.mtp[depth - 1]
+        m.load_state_dict(strong.mtp[depth - 1].state_dict())
+        m.block.attention.wo.weight.mul_(20)
+        m.block.feed_forward.w2.weight.mul_(20)
+    out, stats = speculative_generate(model, heads, PROMPT, 80, gamma=depth)
+    seq = out[0].tolist()
+    with torch.no_grad():
+        forced = heads(model, model.hidden_states(out), out)  # forced[k-1][0, i]: module k at position i
+    n, checked = PROMPT.shape[1], [0] * depth  # n: tokens in the main cache when the round starts
+    for drafts, a in zip(stats.drafted, stats.accepted, strict=True):
+        for k, d in enumerate(drafts, start=1):
+            if k > 1 and (n + k > len(seq) - 1 or drafts[k - 2] != seq[n + k - 1]):
+                break  # module k read draft k-1, which was rejected (or cut off): the sequence lacks it
+            assert d == int(forced[k - 1][0, n - 1].argmax()), (n, k)
+            checked[k - 1] += 1
+        n += 1 + a
+    assert checked[0] == stats.rounds and min(checked) >= 10
+    assert 0 in stats.accepted and sum(stats.accepted) > 0  # rejections to roll back, acceptances to check
+
+
 def _exact_marginals(model, prompt, n_new: int) -> list[torch.Tensor]:
     """Exact distribution of each of the first n_new sampled tokens (temperature 1), by enumeration."""
     V = model.cfg.vocab_size
@@ -116,6 +148,12 @@ def test_bad_settings_are_one_line_errors():
         speculative_generate(model, heads, PROMPT, 200, gamma=1)
     with pytest.raises(SmeltError, match="depth=0 must be >= 1"):
         MTPHeads(CFG, 0)
+    from models.mtp import MTPConfig
+
+    with pytest.raises(SmeltError, match="mtp.target='self' is not one of teacher, main"):
+        MTPConfig(depth=1, target="self")
+    with pytest.raises(SmeltError, match="mtp.target='main' needs a frozen main model"):
+        MTPConfig(depth=1, target="main", joint=True)
 
 
 def test_benchmark_cli_reports_acceptance_and_speed_and_refuses_a_foreign_mtp_file(tmp_path, capsys):

@@ -172,6 +172,32 @@ def test_mtp_trains_on_the_frozen_model_exports_its_file_and_drafts_exactly(dirs
     assert load_mtp(dirs / "mtp-rtn", load_hf(dirs / "mtp-rtn"), check_fingerprint=False).depth == 2
 
 
+def test_mtp_target_main_distils_to_the_frozen_main_model_without_running_a_teacher(dirs, straight_run):
+    from models.mtp import MTPHeads, load_mtp
+
+    src, out = straight_run.out, dirs / "mtp-main-out"
+    cmd = LAUNCH[:-1] + ["debug_mtp_main", "--student", str(src), "--teacher", str(dirs / "teacher"),
+                         "--dump_folder", str(dirs / "mtp-main"), "--export_dir", str(out), "--training.steps", "12"]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, launch_log(proc)
+    assert "teacher the frozen main model itself (mtp.target main)" in proc.stdout + proc.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["stage"] == "mtp" and manifest["settings"]["mtp"]["target"] == "main"
+    main, trained = load_hf(src), load_hf(out)
+    heads = load_mtp(out, trained)
+    start = MTPHeads(main.cfg, 2)
+    start.init_weights(seed=0, trunk=main)
+    tokens = calibration_windows_for_test()
+    # The target was the main model's own distribution one token on: the module moved towards it.
+    assert _mtp_kl(trained, heads, main, tokens) < 0.8 * _mtp_kl(main, start, main, tokens)
+
+
+def calibration_windows_for_test() -> torch.Tensor:
+    from core.data import calibration_windows
+
+    return calibration_windows(make_byte_tokenizer(), 4, 32, seed=7)
+
+
 def test_mtp_joint_mode_trains_the_main_model_too(dirs, straight_run):
     from models.mtp import load_mtp
 

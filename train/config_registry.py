@@ -120,9 +120,10 @@ def smollm2_qat() -> SmeltTrainer.Config:
     return cfg
 
 
-def _mtp(cfg: SmeltTrainer.Config, depth: int = 1) -> SmeltTrainer.Config:
-    """MTP modules on the frozen main model: CE on the shifted targets + 1.0 x KL to the teacher there."""
-    cfg.model_spec.model.mtp = MTPConfig(depth=depth)
+def _mtp(cfg: SmeltTrainer.Config, depth: int = 1, target: str = "teacher") -> SmeltTrainer.Config:
+    """MTP modules on the frozen main model: CE on the shifted targets + 1.0 x KL to the target there (the
+    teacher, or with target "main" the frozen main model's own distribution: no teacher forward)."""
+    cfg.model_spec.model.mtp = MTPConfig(depth=depth, target=target)
     cfg.loss.ce_weight, cfg.loss.kd_weight = 1.0, 1.0
     return cfg
 
@@ -142,6 +143,11 @@ def debug_mtp() -> SmeltTrainer.Config:
     return _mtp(_config(steps=6, batch=2, seq_len=32, lr=3e-3, warmup=1, interval=2), depth=2)
 
 
+def debug_mtp_main() -> SmeltTrainer.Config:
+    """debug_mtp distilled to the frozen main model itself (mtp.target main; no teacher is run) (tests)."""
+    return _mtp(_config(steps=6, batch=2, seq_len=32, lr=3e-3, warmup=1, interval=2), depth=2, target="main")
+
+
 def debug_mtp_joint() -> SmeltTrainer.Config:
     """Tiny joint run: the main model trains too (its loss + 0.5 x the MTP loss) (tests)."""
     cfg = _mtp(_config(steps=4, batch=2, seq_len=32, lr=1e-3, warmup=1, interval=2), depth=1)
@@ -156,6 +162,14 @@ def smollm2_mtp() -> SmeltTrainer.Config:
     cfg = _mtp(_config(steps=600, batch=2, seq_len=256, lr=5e-4, warmup=20, interval=50))
     cfg.training.global_batch_size = 4
     cfg.dataloader.source = MIXED_CORPUS
+    return cfg
+
+
+def smollm2_mtp_main() -> SmeltTrainer.Config:
+    """smollm2_mtp with the KL to the frozen main model's own distribution (the one that verifies the
+    drafts) instead of the teacher's: no teacher is built or run."""
+    cfg = smollm2_mtp()
+    cfg.model_spec.model.mtp.target = "main"
     return cfg
 
 

@@ -101,15 +101,17 @@ class SmeltModel(BaseModel):
 
     def forward(self, tokens: torch.Tensor, **kwargs):
         """Logits [B, T, V]; with MTP modules (main logits or None when the main model is frozen,
-        [logits of module k: B, T - k, V])."""
+        [logits of module k: B, T - k, V], the frozen main model's logits as the KL target when
+        mtp.target is "main", else None)."""
         if self.mtp is None:
             return self.inner(tokens)
         if self.config.mtp.joint:
             h0 = self.inner.hidden_states(tokens)
-            return self.inner.output(h0), self.mtp(self.inner, h0, tokens)
+            return self.inner.output(h0), self.mtp(self.inner, h0, tokens), None
         with torch.no_grad():  # frozen: no activations kept for a backward that never reaches it
             h0 = self.inner.hidden_states(tokens)
-        return None, self.mtp(self.inner, h0, tokens)
+            own = self.inner.output(h0) if self.config.mtp.target == "main" else None
+        return None, self.mtp(self.inner, h0, tokens), own
 
 
 def fsdp_mesh(parallel_dims):

@@ -85,6 +85,9 @@ def check_config(config: SmeltTrainer.Config) -> None:
         if model.fake_quant.enable or model.mtp.depth:
             raise SmeltError(f"{what} is for recovery: QAT and MTP stages keep the masks they are given")
     if config.dataloader.teacher_cache:
+        if config.model_spec.model.mtp.depth and config.model_spec.model.mtp.target == "main":
+            raise SmeltError(f"--dataloader.teacher_cache {config.dataloader.teacher_cache}: mtp.target main "
+                             f"distils to the main model itself, not to a cached teacher")
         check_teacher_cache(config)
     if config.loss.hidden_keys or config.loss.hidden_weight:
         hidden_pairs(config)
@@ -150,10 +153,13 @@ class SmeltTrainer(Trainer):
         self._loss_finite: torch.Tensor | None = None
         self._policy, self._policy_step, self._microbatch = None, -1, 0  # the on-policy sampler's student copy
         super().__init__(config)
+        own_target = config.model_spec.model.mtp.depth > 0 and config.model_spec.model.mtp.target == "main"
         self.teacher_dir = teacher_dir
         self.student = self.model_parts[0].inner
-        self.teacher = self._build_teacher(teacher_dir) if teacher_dir else None
-        self.distills = self.teacher is not None or bool(cache)
+        # mtp.target main: the frozen main model is the target, so no teacher is built or run (--teacher, if
+        # given, only supplies a tokenizer the student lacks).
+        self.teacher = self._build_teacher(teacher_dir) if teacher_dir and not own_target else None
+        self.distills = self.teacher is not None or bool(cache) or own_target
         self._hidden = self._hook_hidden(config) if config.loss.hidden_keys else None
         self.masks = MaskSet(self.student, load_masks(config.student), config.mask_learning,
                              load_dense_rows(config.student), config.training.steps)
@@ -170,7 +176,8 @@ class SmeltTrainer(Trainer):
             for s in (signal.SIGTERM, signal.SIGUSR1):
                 signal.signal(s, self._on_signal)
         logger.info("student %s (%d masked modules), teacher %s", config.student, len(self.masks),
-                    teacher_dir or (f"cached top-k ({cache})" if cache else "none (cross-entropy)"))
+                    "the frozen main model itself (mtp.target main)" if own_target
+                    else teacher_dir or (f"cached top-k ({cache})" if cache else "none (cross-entropy)"))
         # Per rank: shrinks with the rank count, as each rank reads only its shards (train.bench_load).
         logger.info("rank %d loaded: peak RSS %.3f GiB%s", int(os.environ.get("RANK", "0")), peak_rss_gib(),
                     f", peak device memory {torch.cuda.max_memory_allocated() / 2**30:.3f} GiB"
@@ -281,8 +288,11 @@ class SmeltTrainer(Trainer):
                         teacher_logits = self.teacher(inputs)
             if self._hidden is not None:
                 self._hidden["on"] = False
-            if isinstance(pred, tuple):  # MTP modules: (main logits or None, [module k's logits])
-                loss, metrics = self._mtp_loss(*pred, labels, global_valid_tokens, teacher_logits)
+            if isinstance(pred, tuple):  # MTP modules: (main logits or None, [module k's logits], target)
+                main, heads, own = pred
+                loss, metrics = self._mtp_loss(main, heads, labels, global_valid_tokens,
+                                               own if own is not None else teacher_logits)
+                del main, heads, own
             else:
                 loss, metrics = self.loss_fn(pred, labels, global_valid_tokens, teacher_logits=teacher_logits)
             if self._hidden is not None:
@@ -302,7 +312,8 @@ class SmeltTrainer(Trainer):
 
     def _mtp_loss(self, main, heads, labels, global_valid_tokens, teacher_logits):
         """The main model's loss (joint mode) + weight * the mean over modules of each module's loss: module k
-        predicts labels[:, k:] and is distilled to the teacher's distribution there (teacher_logits[:, k:])."""
+        predicts labels[:, k:] and is distilled to the target's distribution there (teacher_logits[:, k:]:
+        the teacher's, or with mtp.target "main" the frozen main model's own)."""
         loss, metrics = (self.loss_fn(main, labels, global_valid_tokens, teacher_logits=teacher_logits)
                          if main is not None else (0.0, {}))
         weight = self.config.model_spec.model.mtp.weight if main is not None else 1.0
