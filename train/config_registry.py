@@ -175,7 +175,8 @@ def smollm2_mtp_main() -> SmeltTrainer.Config:
 
 def smollm2_mtp_realign() -> SmeltTrainer.Config:
     """Re-align the MTP module on the QAT'd model. Its artifact holds the dequantized codes, so the frozen
-    main model is exactly the quantized one (no fake quantization needed); its qparams travel on."""
-    cfg = smollm2_mtp()
+    main model is exactly the quantized one (no fake quantization needed); its qparams travel on. The KL
+    target is that quantized model's own distribution (mtp.target main): what its verification accepts."""
+    cfg = smollm2_mtp_main()
     cfg.training.steps = 60
     return cfg
