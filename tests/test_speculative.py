@@ -211,3 +211,36 @@ def test_an_mtp_file_for_another_shape_or_depth_is_refused(tmp_path):
     (tmp_path / "mtp.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(SmeltError):
         load_mtp_into(MTPHeads(CFG, 1), tmp_path)
+
+
+def test_self_text_is_the_models_own_greedy_continuation_of_training_prompts(tiny_model_dir, tmp_path, capsys):
+    """distill.self_text: each row is its prompt (a training window) plus what the model writes greedily from
+    it, cut at EOS; the file is a training source the trainer reads; bad settings write nothing."""
+    import json
+
+    from core.data import calibration_windows
+    from core.errors import run_cli
+    from core.text_source import TextSourceConfig
+    from distill.self_text import main
+    from models.hf_io import load_hf, load_tokenizer
+
+    out = tmp_path / "self"
+    main(["--model", str(tiny_model_dir), "--corpus", "wikitext2-valid+code-train", "--prompts", "6",
+          "--prompt-len", "12", "--new-tokens", "20", "--batch-size", "4", "--out", str(out)])
+    rows = [json.loads(line)["text"] for line in (out / "text.jsonl").read_text().splitlines()]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert len(rows) == 6 and manifest["stage"] == "self_text" and manifest["metrics"]["generated_tokens"] == 120
+    tok, model = load_tokenizer(tiny_model_dir), load_hf(tiny_model_dir).eval()
+    prompts = calibration_windows(tok, 6, 12, 0, "wikitext2-valid+code-train")
+    want = sample(model, prompts, 20, temperature=0)
+    for text, row in zip(rows, want.tolist(), strict=True):
+        new = row[12:]
+        new = new[:new.index(tok.eos_token_id)] if tok.eos_token_id in new else new
+        assert text == tok.decode(row[:12] + new, skip_special_tokens=True)
+    assert TextSourceConfig(source=str(out / "text.jsonl")).resolve()[0] == "json"
+    for bad, msg in ((["--prompt-len", "1"], "--prompt-len=1 must be >= 2"),
+                     (["--new-tokens", "600"], "exceeds the model's max_seq_len=512"),
+                     (["--corpus", "wikitext2-test"], "evaluation text must never be")):
+        with pytest.raises(SystemExit):
+            run_cli(lambda b=bad: main(["--model", str(tiny_model_dir), "--out", str(tmp_path / "bad"), *b]))
+        assert msg in capsys.readouterr().err and not (tmp_path / "bad").exists()
