@@ -189,7 +189,7 @@ def test_mtp_target_main_distils_to_the_frozen_main_model_without_running_a_teac
     start.init_weights(seed=0, trunk=main)
     tokens = calibration_windows_for_test()
     # The target was the main model's own distribution one token on: the module moved towards it.
-    assert _mtp_kl(trained, heads, main, tokens) < 0.8 * _mtp_kl(main, start, main, tokens)
+    assert _mtp_kl(trained, heads, main, tokens) < 0.9 * _mtp_kl(main, start, main, tokens)
 
 
 def calibration_windows_for_test() -> torch.Tensor:
