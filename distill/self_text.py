@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     rows = continue_prompts(model, prompts, args.new_tokens, args.temperature, args.batch_size, args.seed)
     seconds = time.perf_counter() - t0
+    generated = rows.shape[0] * args.new_tokens
     texts = decode_rows(tokenizer, rows, args.prompt_len)
     with atomic_dir(args.out) as tmp:
         (tmp / TEXT_FILE).write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts),
@@ -105,10 +106,9 @@ def main(argv: list[str] | None = None) -> None:
             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "temperature": args.temperature,
             "seed": args.seed, "command": shlex.join(["python", "-m", "distill.self_text",
                                                       *(sys.argv[1:] if argv is None else argv)])},
-            metrics={"generated_tokens": int(rows.shape[0] * args.new_tokens), "seconds": seconds,
+            metrics={"generated_tokens": generated, "seconds": seconds,
                      "machine": machine_record()})
-    print(f"{args.out}/{TEXT_FILE}: {len(texts)} rows, {rows.shape[0] * args.new_tokens} generated tokens "
-          f"in {seconds:.0f} s")
+    print(f"{args.out}/{TEXT_FILE}: {len(texts)} rows, {generated} generated tokens in {seconds:.0f} s")
 
 
 if __name__ == "__main__":
