@@ -183,6 +183,8 @@ class KVCache:
         rep = q.shape[1] // keys.shape[1]
         if rep > 1:
             keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+        if new > 1 and start == 0:  # a prefill: the fused causal kernel, no [L, L] mask (half the time at 2K)
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True)
         mask = None
         if new > 1:  # query i (absolute start + i) sees keys 0..start+i
             mask = torch.ones(new, self.pos, dtype=torch.bool, device=q.device).tril(diagonal=start)

@@ -70,26 +70,26 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
     assert shape == (30, 576, 9, 3, 1536, 49152)
     assert m["params"] == 134_515_008  # what torchtitan logs for SmolLM2-135M
     assert "30 layers, d_model 576, heads 9 / kv 3" in out and "memory per CPU rank" in out
-    # scripts/recipe.sh's commands with its defaults (128 x 512 calibration with bf16 forwards where the CPU
-    # has them, 60 and 60 steps in bf16 mixed precision, 2 ranks)
-    t, launch = "--teacher smollm2-135m", "python -m train.launch --nproc 2 -- --module train.config_registry"
+    # scripts/recipe.sh's commands with its 30-minute defaults (64 x 512 calibration with bf16 forwards where
+    # the CPU has them, 40 recovery and 30 QAT steps in bf16 mixed precision, 1 rank, 1 block through the kernels)
+    t, launch = "--teacher smollm2-135m", "python -m train.launch --nproc 1 -- --module train.config_registry"
     expected = {
         "heads": [f"python -m prune.heads {t} --top-k 4 --out {run}/heads.json --png {run}/heads.png"],
         "prune": [(f"python -m prune.run {t} --method sparsegpt --pattern 2:4 --protect {run}/heads.json "
-                  f"--calib-windows 128 --calib-seq-len 512 --calib-forward auto --calib-corpus {MIX} "
+                  f"--calib-windows 64 --calib-seq-len 512 --calib-forward auto --calib-corpus {MIX} "
                   f"--out {run}/pruned-2of4")],
         "recover": [(f"{launch} --config smollm2_recover --student {run}/pruned-2of4 {t} --dump_folder "
-                    f"{run}/recovered-2of4-run --export_dir {run}/recovered-2of4 --training.steps 60 "
+                    f"{run}/recovered-2of4-run --export_dir {run}/recovered-2of4 --training.steps 40 "
                     f"--training.mixed_precision_param bfloat16")],
         "quantize": [(f"python -m qat.ptq {t} --artifact {run}/recovered-2of4 --method gptq --act-order "
-                     f"--group-size 64 --calib-windows 128 --calib-forward auto --calib-corpus {MIX} --out {run}/gptq-2of4")],
+                     f"--group-size 64 --calib-windows 64 --calib-forward auto --calib-corpus {MIX} --out {run}/gptq-2of4")],
         "qat": [(f"{launch} --config smollm2_qat --student {run}/gptq-2of4 {t} --dump_folder "
-                f"{run}/qat-2of4-run --export_dir {run}/qat-2of4 --training.steps 60 "
+                f"{run}/qat-2of4-run --export_dir {run}/qat-2of4 --training.steps 30 "
                 f"--training.mixed_precision_param bfloat16")],
         "release": [(f"python -m qat.release --artifact {run}/qat-2of4 --out {run}/release --dtype bfloat16 "
                     f"--sparse-storage mask --metrics {run}/evals/qat-2of4.json")],
         "verify": [f"python -m qat.verify {run}/release",
-                   f"python -m kernels.check {run}/release --layers 2 --out {run}/verify-kernels.json"],
+                   f"python -m kernels.check {run}/release --layers 1 --out {run}/verify-kernels.json"],
         "report": [f"python -m eval.report --run {run}"],
     }
     stages = {s["name"]: s for s in plan["stages"]}
@@ -106,7 +106,7 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
         assert stages[name]["evaluation"] == (f"python -m eval.evaluate {t} --model {run}/{art} "
                                               f"--out {run}/evals/{art}.json --wandb"
                                               + " --needle" * (name == "qat") + windows)
-    assert stages["recover"]["tokens"] == 60 * 4 * 256 and stages["prune"]["tokens"] == 128 * 512
+    assert stages["recover"]["tokens"] == 40 * 4 * 256 and stages["prune"]["tokens"] == 64 * 512
     _check_memory(plan, ["recover", "qat"])
     assert not run.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "smollm2-config"]
 
@@ -172,7 +172,8 @@ def test_list_stages(capsys):
 
 BAD = [
     (["--set", "stages.recover.stepz=2"], "stages[3].stepz"),
-    (["--set", "stages.recover.global_batch=6"], "not divisible by local_batch 2 x data-parallel degree 2"),
+    (["--set", "parallelism.nproc=2", "--set", "stages.recover.global_batch=6"],
+     "not divisible by local_batch 2 x data-parallel degree 2"),
     (["--set", "stages.recover.input=/no/such/artifact"], "neither an earlier stage nor an existing"),
     (["--set", "stages.recover.config=smollm2_recoverr"], "not a config of train/config_registry.py"),
     (["--set", "stages.qat.steps=0"], "stages[5].steps=0 must be > 0"),
@@ -315,7 +316,7 @@ def test_a_teacher_cache_stage_feeds_recovery_and_qat(capsys, tmp_path):
     stages = {s["name"]: s for s in plan["stages"]}
     assert stages["teacher-top64"]["commands"] == [
         f"python -m distill.teacher_cache --teacher smollm2-135m --source {MIX} --seq-len 256 --windows 240 "
-        f"--top-k 64 --ranks 2 --local-batch 2 --dtype bfloat16 --out {run}/teacher-top64"]
+        f"--top-k 64 --ranks 1 --local-batch 2 --dtype bfloat16 --out {run}/teacher-top64"]
     assert stages["teacher-top64"]["evaluation"] is None
     for name in ("recover", "qat"):
         assert stages[name]["commands"][0].endswith(f"--dataloader.teacher_cache {run}/teacher-top64"), name
