@@ -17,10 +17,10 @@ from pathlib import Path
 from core.errors import SmeltError
 from core.fetch import cache_root
 from core.files import read_json
+from core.kl import chunk_tokens
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-LOSS_CHUNK = 1024  # distill.losses.DistillLossConfig.chunk_tokens (no config changes it)
 # What a rank holds before any tensor of ours: measured (peak RSS after importing train.trainer, CPU) and
 # assumed (CUDA context + NCCL buffers, which torch's memory stats and torchtitan's `memory:` leave out).
 RUNTIME_GIB = {"cpu": 0.8, "gpu": 1.0}
@@ -221,7 +221,7 @@ def estimate(s: Shape, b: Budget) -> dict[str, float]:
         acts += kept * s.block_linears * (8 + c)
     block = 4 * s.block_linears + c * 2 * s.d_model if b.fake_quant else c * s.block_params
     copies = c * s.root_params + 2 * block if b.dp > 1 else (c * s.params if c < 4 else 0)
-    chunk = min(LOSS_CHUNK, tokens)
+    chunk = min(chunk_tokens(b.device), tokens)  # the loss's chunk (distill.losses: by device)
     rows = {
         "parameters": 4 * stored / b.dp,
         "gradients": 4 * trained / b.dp,

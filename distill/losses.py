@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.errors import SmeltError
-from core.kl import kl_rows
+from core.kl import chunk_tokens, kl_rows
 from core.teacher_topk import TeacherTopK
 
 KINDS = ("forward_kl", "reverse_kl", "skew_kl", "js")
@@ -170,7 +170,7 @@ class DistillLossConfig:
     skew_alpha: float = 0.1    # only for skew_kl
     ce_weight: float = 0.0     # weight of next-token cross-entropy added to the divergence
     kd_weight: float = 1.0     # weight of the divergence (MTP training: CE + kd_weight * KL, ce_weight 1)
-    chunk_tokens: int = 1024   # tokens per chunk: bounds the fp32 [chunk x vocab] working set
+    chunk_tokens: int = 0      # tokens per chunk (bounds the fp32 [chunk x vocab] working set); 0: by device
     tail_weight: float = 0.0   # extra weight of tokens at or above the divergence's tail_quantile
     tail_quantile: float = 0.9
     hidden_weight: float = 0.0  # weight of the layer-wise loss (needs a teacher and hidden_layers)
@@ -193,8 +193,8 @@ class DistillLossConfig:
             raise SmeltError(f"loss.ce_weight={self.ce_weight} must be >= 0")
         if self.kd_weight < 0 or self.kd_weight == self.ce_weight == 0:
             raise SmeltError(f"loss.kd_weight={self.kd_weight} must be >= 0, and > 0 unless ce_weight > 0")
-        if self.chunk_tokens < 1:
-            raise SmeltError(f"loss.chunk_tokens={self.chunk_tokens} must be >= 1")
+        if self.chunk_tokens < 0:
+            raise SmeltError(f"loss.chunk_tokens={self.chunk_tokens} must be >= 0 (0: by device)")
         if self.tail_weight < 0:
             raise SmeltError(f"loss.tail_weight={self.tail_weight} must be >= 0")
         if not 0 < self.tail_quantile < 1:
@@ -236,7 +236,8 @@ class DistillLoss(nn.Module):
         lab = labels.reshape(-1) if labels is not None else None
         n_tok = (lab != -100).sum().clamp_min(1) if lab is not None else torch.tensor(s.shape[0])
         c = self.cfg
+        chunk = c.chunk_tokens or chunk_tokens(s.device.type)
         total, kd, ce = _ChunkedLoss.apply(s, t, lab, c.kind, c.temperature, c.skew_alpha, c.ce_weight,
-                                           c.chunk_tokens, c.tail_quantile, c.tail_weight, c.kd_weight)
+                                           chunk, c.tail_quantile, c.tail_weight, c.kd_weight)
         n_tok = n_tok.to(total.device, total.dtype)
         return total / n_tok, {"kd": (kd / n_tok).detach(), "ce": (ce / n_tok).detach()}

@@ -29,6 +29,7 @@ from core.device import default_device, machine_record
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.fetch import cache_root
 from core.files import atomic_save_safetensors, atomic_write_text, safetensors_metadata
+from core.needle import NeedleConfig
 from core.tracking import log_evaluation
 from eval.metrics import cat_stats, per_token_stats, summarize
 from eval.needle import run_needle
@@ -43,8 +44,11 @@ def _logits(model, batch: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 @torch.no_grad()
 def teacher_logprobs_file(teacher_dir: Path, windows: torch.Tensor, get_teacher, batch_size: int = 4,
-                          desc: str = "teacher") -> Path:
-    """Path of the cached teacher log-probs for `windows` (computed now, with get_teacher(), if missing)."""
+                          desc: str = "teacher", on_batch=None) -> Path:
+    """Path of the cached teacher log-probs for `windows` (computed now, with get_teacher(), if missing).
+
+    on_batch(batch, teacher_logits, cached_logprobs), if given, sees every batch while the cache is built:
+    the teacher evaluated against itself takes its statistics from this one forward instead of a second."""
     key = hashlib.sha256(weights_fingerprint(teacher_dir).encode() + windows.numpy().tobytes()).hexdigest()
     path = cache_root() / "teacher_logprobs" / f"{key[:32]}.safetensors"
     if path.is_file():
@@ -55,10 +59,20 @@ def teacher_logprobs_file(teacher_dir: Path, windows: torch.Tensor, get_teacher,
             path.unlink()
     device = default_device()
     teacher = get_teacher()
-    parts = [torch.log_softmax(_logits(teacher, b, device), dim=-1).half()
-             for b in tqdm(windows.split(batch_size), desc=f"{desc} log-probs", leave=False)]
+    parts = []
+    for b in tqdm(windows.split(batch_size), desc=f"{desc} log-probs", leave=False):
+        logits = _logits(teacher, b, device)
+        parts.append(torch.log_softmax(logits, dim=-1).half())
+        if on_batch is not None:
+            on_batch(b, logits, parts[-1])
     atomic_save_safetensors({"logprobs": torch.cat(parts), "windows": windows}, path)
     return path
+
+
+def _stats(logits: torch.Tensor, teacher_logprobs: torch.Tensor, batch: torch.Tensor) -> dict:
+    if logits.shape[-1] != teacher_logprobs.shape[-1]:
+        raise SmeltError(f"model vocab {logits.shape[-1]} != teacher vocab {teacher_logprobs.shape[-1]}")
+    return per_token_stats(logits.flatten(0, 1), teacher_logprobs.flatten(0, 1), batch[:, 1:].flatten())
 
 
 @torch.no_grad()
@@ -80,18 +94,17 @@ def evaluate(model, teacher_dir: str | Path, cfg: EvalConfig | None = None, toke
               "buckets": {}}
     for bucket, n in cfg.windows.items():
         windows = eval_windows(tokenizer, bucket, int(n), cfg.seq_len)
-        cache = teacher_logprobs_file(teacher_dir, windows, get_teacher, cfg.batch_size, desc=bucket)
         parts = []
-        with safe_open(str(cache), framework="pt") as f:
-            lp_slice = f.get_slice("logprobs")
-            for s in tqdm(range(0, len(windows), cfg.batch_size), desc=f"eval {bucket}", leave=False,
-                          disable=not progress):
-                batch = windows[s:s + cfg.batch_size]
-                logits = _logits(model, batch, device)
-                if logits.shape[-1] != lp_slice.get_shape()[-1]:
-                    raise SmeltError(f"model vocab {logits.shape[-1]} != teacher vocab {lp_slice.get_shape()[-1]}")
-                tlp = lp_slice[s:s + len(batch)]
-                parts.append(per_token_stats(logits.flatten(0, 1), tlp.flatten(0, 1), batch[:, 1:].flatten()))
+        # The teacher against itself, cache not yet built: its statistics come from the cache's own forward.
+        own = (lambda b, logits, lp: parts.append(_stats(logits, lp, b))) if teacher is model else None
+        cache = teacher_logprobs_file(teacher_dir, windows, get_teacher, cfg.batch_size, desc=bucket, on_batch=own)
+        if not parts:
+            with safe_open(str(cache), framework="pt") as f:
+                lp_slice = f.get_slice("logprobs")
+                for s in tqdm(range(0, len(windows), cfg.batch_size), desc=f"eval {bucket}", leave=False,
+                              disable=not progress):
+                    batch = windows[s:s + cfg.batch_size]
+                    parts.append(_stats(_logits(model, batch, device), lp_slice[s:s + len(batch)], batch))
         report["buckets"][bucket] = summarize(cat_stats(parts))
     return report
 
@@ -118,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--needle", action="store_true",
                     help="also run the needle-in-a-haystack evaluation (eval.needle, its default grid) into "
                          "the report's 'needle' section")
+    ap.add_argument("--needle-dtype", help="with --needle: float32 (default) or bfloat16 (a bf16 copy runs "
+                                           "the prompts; the KL evaluation stays fp32)")
     ap.add_argument("--wandb", action="store_true",
                     help="also log the metrics and table to the stage's wandb run (core.tracking; offline "
                          "unless WANDB_MODE=online)")
@@ -129,13 +144,15 @@ def main(argv: list[str] | None = None) -> None:
         overrides["windows"] = parse_windows(args.windows)
     if args.batch_size is not None:
         overrides["batch_size"] = args.batch_size
+    if args.needle_dtype is not None:
+        overrides["needle_dtype"] = args.needle_dtype
     cfg = load_toml(EvalConfig, args.config, overrides) if args.config else build(EvalConfig, overrides)
     teacher_dir = resolve_teacher(args.teacher)
     model_dir = Path(args.model) if args.model else teacher_dir
     model = load_hf(model_dir).to(default_device())
     report = evaluate(model, teacher_dir, cfg, teacher=model if model_dir == teacher_dir else None)
     if args.needle:
-        report["needle"] = run_needle(model, load_tokenizer(teacher_dir))
+        report["needle"] = run_needle(model, load_tokenizer(teacher_dir), NeedleConfig(dtype=cfg.needle_dtype))
     report.update(model=str(model_dir), teacher=str(teacher_dir), machine=machine_record(),
                   command=shlex.join(["python", "-m", "eval.evaluate", *(sys.argv[1:] if argv is None else argv)]))
     print(format_table(report, title=f"{model_dir} vs teacher {teacher_dir.name}"))

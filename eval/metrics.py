@@ -9,9 +9,8 @@ import math
 
 import torch
 
-from core.kl import kl_rows
+from core.kl import chunk_tokens, kl_rows
 
-DEFAULT_CHUNK = 1024
 # Probabilities at which each bucket's per-token KL quantiles are stored: the distribution (CDF) the report
 # draws, with the tail resolved finely, since compression damage concentrates in few tokens.
 KL_CDF_P = [round(i / 100, 2) for i in range(1, 100)] + [0.995, 0.999]
@@ -19,13 +18,14 @@ KL_CDF_P = [round(i / 100, 2) for i in range(1, 100)] + [0.995, 0.999]
 
 @torch.no_grad()
 def per_token_stats(logits: torch.Tensor, teacher_logprobs: torch.Tensor, targets: torch.Tensor,
-                    chunk: int = DEFAULT_CHUNK) -> dict[str, torch.Tensor]:
+                    chunk: int | None = None) -> dict[str, torch.Tensor]:
     """Per-token KL(teacher || model) over the full vocabulary, model NLL, teacher NLL, top-1 agreement.
 
     logits: [N, V] model logits (any float dtype); teacher_logprobs: [N, V] log-softmax of the teacher;
     targets: [N] next-token ids. Returns fp32/bool tensors of shape [N].
     """
     n = logits.shape[0]
+    chunk = chunk or chunk_tokens(logits.device.type)
     if teacher_logprobs.shape != logits.shape:
         raise ValueError(f"teacher log-probs {tuple(teacher_logprobs.shape)} and model logits "
                          f"{tuple(logits.shape)} differ in shape (vocab mismatch?)")

@@ -19,6 +19,7 @@ as retrieved when the first number in the continuation is the value. Every (leng
 """
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shlex
@@ -53,7 +54,10 @@ def run_needle(model, tokenizer, cfg: NeedleConfig | None = None, progress: bool
     if longest > model.cfg.max_seq_len:
         raise SmeltError(f"needle length {max(cfg.lengths)} + {cfg.max_new_tokens} new tokens exceeds the "
                          f"model's context ({model.cfg.max_seq_len})")
-    device = next(model.parameters()).device
+    weight = next(model.parameters())
+    device, dtype = weight.device, getattr(torch, cfg.dtype)
+    if weight.is_floating_point() and weight.dtype != dtype:
+        model = copy.deepcopy(model).to(dtype)  # the caller's model stays as it is
     result = {"settings": asdict(cfg), "languages": {}}
     for lang in cfg.languages:
         haystack = corpus_tokens(tokenizer, BUCKETS[lang])  # evaluation text: this is the evaluation
@@ -137,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--depths", help="needle depths in [0, 1], e.g. 0,0.5,1")
     ap.add_argument("--samples", type=int, help="prompts per (length, depth) cell")
     ap.add_argument("--languages", help="en, zh or en,zh")
+    ap.add_argument("--dtype", help="float32 (default) or bfloat16: the prompts run through a bf16 copy")
     ap.add_argument("--out", help="write the JSON here")
     ap.add_argument("--png", help="write the heatmap here")
     ap.add_argument("--compare", nargs="*", default=[], help="other needle JSONs to draw beside this one")
@@ -145,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         "lengths": args.lengths and _parse_list(args.lengths, int, "--lengths"),
         "depths": args.depths and _parse_list(args.depths, float, "--depths"),
         "languages": args.languages and _parse_list(args.languages, str, "--languages"),
-        "samples": args.samples}.items() if v}
+        "samples": args.samples, "dtype": args.dtype}.items() if v}
     cfg = build(NeedleConfig, overrides)
     others = {Path(p).stem: read_json(p, "a needle JSON") for p in args.compare}  # checked before the run
     teacher_dir = resolve_teacher(args.teacher)

@@ -56,3 +56,19 @@ def test_teacher_logprobs_are_cached(tiny_model_dir, byte_tokenizer, monkeypatch
     monkeypatch.setattr(ev, "load_hf", lambda *a, **k: (_ for _ in ()).throw(AssertionError("recomputed")))
     again = evaluate(model, tiny_model_dir, cfg, tokenizer=byte_tokenizer, progress=False)
     assert again["buckets"]["en"]["kl_mean"] < 1e-4
+
+
+def test_teacher_against_itself_runs_one_forward(tiny_model_dir, byte_tokenizer, tmp_path, monkeypatch):
+    """Building the cache and scoring the teacher share one forward; the report equals the two-pass one."""
+    monkeypatch.setenv("SMELT_CACHE", str(tmp_path / "cache"))
+    cfg = EvalConfig(seq_len=32, windows={"en": 3, "code": 2}, batch_size=2)
+    teacher = load_hf(tiny_model_dir)
+    calls = []
+    teacher.register_forward_hook(lambda mod, args, out: calls.append(args[0].shape[0]))
+    first = evaluate(teacher, tiny_model_dir, cfg, tokenizer=byte_tokenizer, teacher=teacher, progress=False)
+    assert sum(calls) == 5  # every window once: the cache's forward gave the statistics too
+    assert len(list((tmp_path / "cache" / "teacher_logprobs").glob("*.safetensors"))) == 2  # built here
+    calls.clear()
+    second = evaluate(teacher, tiny_model_dir, cfg, tokenizer=byte_tokenizer, teacher=teacher, progress=False)
+    assert sum(calls) == 5  # cache present: one scoring forward
+    assert first["buckets"] == second["buckets"]

@@ -74,6 +74,13 @@ def test_a_real_tiny_model_runs_end_to_end_and_draws(tmp_path, byte_tokenizer):
     assert (tmp_path / "n.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SmeltError, match="needle length 300 \\+ 8 new tokens exceeds the model's context"):
         run_needle(model, byte_tokenizer, NeedleConfig(lengths=(300,)), progress=False)
+    # bf16: a bf16 copy answers (same prompts), the caller's fp32 model is left as it was
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    b = run_needle(model, byte_tokenizer, NeedleConfig(lengths=(200,), depths=(0.5,), samples=2, dtype="bfloat16"),
+                   progress=False)
+    assert b["settings"]["dtype"] == "bfloat16" and r["settings"]["dtype"] == "float32"
+    assert [p["name"] for p in b["languages"]["en"]["prompts"]] == [p["name"] for p in r["languages"]["en"]["prompts"]]
+    assert all(v.dtype == torch.float32 and torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -81,6 +88,7 @@ def test_a_real_tiny_model_runs_end_to_end_and_draws(tmp_path, byte_tokenizer):
     ({"depths": (1.5,)}, "depths=\\[1.5\\] must be numbers in \\[0, 1\\]"),
     ({"samples": 0}, "samples=0 must be an integer >= 1"),
     ({"languages": ("fr",)}, "languages=\\['fr'\\]"),
+    ({"dtype": "float16"}, "needle dtype='float16' is not float32 or bfloat16"),
 ])
 def test_bad_settings_are_one_line(kw, message):
     with pytest.raises(SmeltError, match=message):

@@ -70,21 +70,21 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
     assert shape == (30, 576, 9, 3, 1536, 49152)
     assert m["params"] == 134_515_008  # what torchtitan logs for SmolLM2-135M
     assert "30 layers, d_model 576, heads 9 / kv 3" in out and "memory per CPU rank" in out
-    # scripts/recipe.sh's commands with its 30-minute defaults (64 x 512 calibration with bf16 forwards where
-    # the CPU has them, 40 recovery and 30 QAT steps in bf16 mixed precision, 1 rank, 1 block through the kernels)
+    # scripts/recipe.sh's commands with its 30-minute defaults (64 / 32 x 512 calibration with bf16 forwards where
+    # the CPU has them, 30 recovery and 24 QAT steps in bf16 mixed precision, 1 rank, 1 block through the kernels)
     t, launch = "--teacher smollm2-135m", "python -m train.launch --nproc 1 -- --module train.config_registry"
     expected = {
-        "heads": [f"python -m prune.heads {t} --top-k 4 --out {run}/heads.json --png {run}/heads.png"],
+        "heads": [f"python -m prune.heads {t} --top-k 4 --calib-windows 16 --out {run}/heads.json --png {run}/heads.png"],
         "prune": [(f"python -m prune.run {t} --method sparsegpt --pattern 2:4 --protect {run}/heads.json "
                   f"--calib-windows 64 --calib-seq-len 512 --calib-forward auto --calib-corpus {MIX} "
                   f"--out {run}/pruned-2of4")],
         "recover": [(f"{launch} --config smollm2_recover --student {run}/pruned-2of4 {t} --dump_folder "
-                    f"{run}/recovered-2of4-run --export_dir {run}/recovered-2of4 --training.steps 40 "
+                    f"{run}/recovered-2of4-run --export_dir {run}/recovered-2of4 --training.steps 30 "
                     f"--training.mixed_precision_param bfloat16")],
         "quantize": [(f"python -m qat.ptq {t} --artifact {run}/recovered-2of4 --method gptq --act-order "
-                     f"--group-size 64 --calib-windows 64 --calib-forward auto --calib-corpus {MIX} --out {run}/gptq-2of4")],
+                     f"--group-size 64 --calib-windows 32 --calib-forward auto --calib-corpus {MIX} --out {run}/gptq-2of4")],
         "qat": [(f"{launch} --config smollm2_qat --student {run}/gptq-2of4 {t} --dump_folder "
-                f"{run}/qat-2of4-run --export_dir {run}/qat-2of4 --training.steps 30 "
+                f"{run}/qat-2of4-run --export_dir {run}/qat-2of4 --training.steps 24 "
                 f"--training.mixed_precision_param bfloat16")],
         "release": [(f"python -m qat.release --artifact {run}/qat-2of4 --out {run}/release --dtype bfloat16 "
                     f"--sparse-storage mask --metrics {run}/evals/qat-2of4.json")],
@@ -96,7 +96,7 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
     assert list(stages) == ["teacher", "heads", "prune", "recover", "quantize", "qat", "release", "verify",
                             "report"]
     assert stages["teacher"]["commands"] == [f"python -m models.teacher {t}", "python -m core.fetched_corpora zh-train en-news"]
-    windows = " --seq-len 512 --windows en=16,zh=8,code=8,news=16 --batch-size 4"  # the recipe's [eval]
+    windows = " --seq-len 512 --windows en=16,zh=8,code=8,news=16 --batch-size 4 --needle-dtype bfloat16"
     assert stages["teacher"]["evaluation"].endswith(f"--out {run}/evals/teacher.json --wandb --needle{windows}")
     assert stages["heads"]["evaluation"] is None
     for name, cmds in expected.items():
@@ -106,7 +106,7 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
         assert stages[name]["evaluation"] == (f"python -m eval.evaluate {t} --model {run}/{art} "
                                               f"--out {run}/evals/{art}.json --wandb"
                                               + " --needle" * (name == "qat") + windows)
-    assert stages["recover"]["tokens"] == 40 * 4 * 256 and stages["prune"]["tokens"] == 64 * 512
+    assert stages["recover"]["tokens"] == 30 * 4 * 256 and stages["prune"]["tokens"] == 64 * 512
     _check_memory(plan, ["recover", "qat"])
     assert not run.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "smollm2-config"]
 
