@@ -180,6 +180,9 @@ def eval_windows(tokenizer, bucket: str, n: int, seq_len: int) -> torch.Tensor:
     return _with_bos(chunks, bos_id(tokenizer))
 
 
+NEEDLE_DTYPES = ("float32", "bfloat16")  # what a needle grid may run in (core.needle.NeedleConfig.dtype)
+
+
 @dataclass
 class EvalConfig:
     seq_len: int = 512
@@ -188,7 +191,7 @@ class EvalConfig:
     needle_dtype: str = "float32"  # the needle grid's compute (--needle); bfloat16: 1.48x faster on a CPU
 
     def __post_init__(self):
-        if self.needle_dtype not in ("float32", "bfloat16"):
+        if self.needle_dtype not in NEEDLE_DTYPES:
             raise SmeltError(f"eval.needle_dtype {self.needle_dtype!r} is not float32 or bfloat16")
         bad = sorted(set(self.windows) - set(BUCKETS))
         if bad:

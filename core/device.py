@@ -6,6 +6,7 @@ import ctypes
 import os
 import platform
 import resource
+import time
 
 import torch
 
@@ -37,6 +38,18 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def interleaved_seconds(cases: dict, repeats: int) -> tuple[dict[str, list[float]], dict]:
+    """Wall seconds of each zero-argument callable in `cases`, `repeats` rounds of one call each in turn (so
+    drift in the machine's speed hits every case alike), and each case's last return value."""
+    times, outs = {name: [] for name in cases}, {}
+    for _ in range(repeats):
+        for name, fn in cases.items():
+            t = time.perf_counter()
+            outs[name] = fn()
+            times[name].append(time.perf_counter() - t)
+    return times, outs
 
 
 def machine_record() -> dict:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.data import bos_id
+from core.data import NEEDLE_DTYPES, bos_id
 from core.errors import SmeltError
 
 SYLLABLES = ("tal", "vor", "em", "sk", "ka", "ri", "dun", "mel", "os", "ta", "bri", "gan", "lo", "we", "zu")
@@ -45,7 +45,7 @@ class NeedleConfig:
         for name in ("samples", "max_new_tokens", "batch_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise SmeltError(f"needle {name}={getattr(self, name)!r} must be an integer >= 1")
-        if self.dtype not in ("float32", "bfloat16"):
+        if self.dtype not in NEEDLE_DTYPES:
             raise SmeltError(f"needle dtype={self.dtype!r} is not float32 or bfloat16")
         unknown = [lang for lang in self.languages if lang not in TEMPLATES]
         if unknown or not self.languages:

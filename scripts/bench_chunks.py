@@ -11,12 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from core.device import machine_record
+from core.device import interleaved_seconds, machine_record
 from core.files import atomic_write_text
 from core.kl import chunk_tokens
 from distill.losses import DistillLoss, DistillLossConfig
@@ -49,14 +48,9 @@ def main(argv: list[str] | None = None) -> None:
         value.backward()
         return x.grad
 
-    times = {f"{what} {c}": [] for what in ("metrics", "loss") for c in (1024, chosen)}
-    outs = {}
-    for _ in range(args.repeats):
-        for what, fn in (("metrics", stats), ("loss", loss)):
-            for c in (1024, chosen):
-                t = time.perf_counter()
-                outs[f"{what} {c}"] = fn(c)
-                times[f"{what} {c}"].append(time.perf_counter() - t)
+    cases = {f"{what} {c}": (lambda fn=fn, c=c: fn(c)) for what, fn in (("metrics", stats), ("loss", loss))
+             for c in (1024, chosen)}
+    times, outs = interleaved_seconds(cases, args.repeats)
     same_stats = all(torch.equal(outs["metrics 1024"][k], outs[f"metrics {chosen}"][k]) for k in outs["metrics 1024"])
     same_grad = torch.equal(outs["loss 1024"], outs[f"loss {chosen}"])
     med = {k: round(statistics.median(v), 4) for k, v in times.items()}

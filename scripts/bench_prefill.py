@@ -14,25 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from core.device import machine_record
+from core.device import interleaved_seconds, machine_record
 from core.files import atomic_write_text
 from models.hf_io import load_hf
 from models.teacher import resolve_teacher
-
-
-def _time(fn, repeats: int) -> tuple[list[float], torch.Tensor]:
-    times, out = [], None
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t)
-    return times, out
 
 
 @torch.no_grad()
@@ -59,11 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     cases = {"head over every position": every_position, "head on the last position": last_position,
              "SDPA, explicit causal mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
              "SDPA, fused causal kernel": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
-    times, outs = {name: [] for name in cases}, {}
-    for _ in range(args.repeats):  # interleaved, so drift in the machine's speed hits every case alike
-        for name, fn in cases.items():
-            t, outs[name] = _time(fn, 1)
-            times[name] += t
+    times, outs = interleaved_seconds(cases, args.repeats)
     names = list(cases)
     result = {"what": __doc__.split("\n")[0], "batch": args.batch, "length": args.length, "repeats": args.repeats,
               "median_s": {n: round(statistics.median(times[n]), 4) for n in names},
