@@ -77,7 +77,7 @@ def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
                  "--out", st.dst, "--png", st.dst.removesuffix(".json") + ".png"]]
     if st.kind == "prune":
         return [[PY, "-m", "prune.run", "--teacher", t, "--method", st.method, *_opt("--pattern", st.pattern),
-                 *_opt("--protect", st.protect),
+                 *_opt("--protect", st.protect), *_opt("--skip", ",".join(st.skip) if st.skip else None),
                  *_opt("--sparsity", st.sparsity), *_opt("--calib-windows", st.calib_windows),
                  *_opt("--calib-seq-len", st.calib_seq_len), *_opt("--calib-forward", st.calib_forward),
                  *_opt("--calib-corpus", calib), "--out", st.dst]]

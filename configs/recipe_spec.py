@@ -68,6 +68,8 @@ class PruneStage(Stage):            # prune.run on the teacher
     out: str = ""                   # directory under run_dir; default: the stage name
     method: str = "sparsegpt"
     protect: str | None = None      # a heads stage's name or a prune.heads JSON: those heads' rows stay dense
+    skip: list[str] | None = None   # modules left dense (prune.run --skip: names, dotted prefixes or suffixes);
+                                    # None: output and tok_embeddings
     pattern: str | None = None      # N:M, or:
     sparsity: float | None = None
     calib_windows: int | None = None  # None: the CLI's default (core.calibrate.CalibConfig)
@@ -327,6 +329,10 @@ def check(recipe: Recipe, registry: dict) -> None:
             elif not Path(st.protect).is_file():
                 raise SmeltError(f"{where}.protect {st.protect!r} is neither an earlier heads stage nor a "
                                  f"prune.heads JSON file")
+        if isinstance(st, PruneStage) and st.skip is not None and not all(e.strip() and "," not in e
+                                                                           for e in st.skip):
+            raise SmeltError(f"{where}.skip {st.skip!r}: each entry is one module name, prefix or suffix "
+                             f"(e.g. \"attention.wq\")")
         if isinstance(st, PruneStage) and (st.pattern is None) == (st.sparsity is None):
             raise SmeltError(f"{where}: set exactly one of pattern (N:M) and sparsity")
         if isinstance(st, PruneStage) and st.pattern is not None:

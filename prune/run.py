@@ -300,7 +300,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.protect:
         c = model.cfg
         protected = read_protected(args.protect, list(model.layers), c.n_heads, "--protect")
-        dense = protected_rows(protected, c.n_heads, c.n_kv_heads, c.head_dim)
+        # a protected head's rows in a module --skip leaves dense are dense already: nothing to declare
+        dense = {k: v for k, v in protected_rows(protected, c.n_heads, c.n_kv_heads, c.head_dim).items()
+                 if k in targets}
     windows = cfg.windows(tokenizer) if calibrated else None
     settings = {
         "method": args.method, "pattern": str(pattern) if pattern else None, "sparsity": sparsity,

@@ -7,9 +7,9 @@
 # the plan: stages, commands, tokens, memory per rank). Every stage reads the previous stage's artifact
 # and writes its own under $SMELT_RUN, then is evaluated against the teacher (per-token KL mean/P99,
 # top-1, PPL per bucket); a finished stage is skipped on a rerun. wandb logs offline under the run
-# (WANDB_MODE=online to sync). Budgets are env vars, or pass --set KEY=VALUE arguments through:
-#   SMELT_RECOVER_STEPS (default 60), SMELT_QAT_STEPS (default 60), SMELT_CALIB_WINDOWS (default 128),
-#   SMELT_NPROC (training processes, default 2), SMELT_RUN (default runs/smollm2), SMELT_TEACHER.
+# (WANDB_MODE=online to sync). Budgets are env vars, or pass --set KEY=VALUE arguments through (unset: the
+# recipe file's values): SMELT_RECOVER_STEPS, SMELT_QAT_STEPS, SMELT_CALIB_WINDOWS (prune and GPTQ),
+#   SMELT_NPROC (training processes), SMELT_RUN (default runs/smollm2), SMELT_TEACHER.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/env.sh"

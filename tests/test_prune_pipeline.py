@@ -217,6 +217,24 @@ def test_cli_protect_declares_dense_rows_and_refuses_a_bad_heads_file(tiny_model
     assert not (tmp_path / "bad").exists()
 
 
+def test_cli_protect_with_skipped_modules_declares_rows_only_where_it_prunes(tiny_model_dir, tmp_path):
+    """--skip attention.wq,attention.wk with --protect: q/k stay whole (no mask), the protected head's
+    KV group keeps its wv rows dense, and the rest of wv is 2:4."""
+    heads = tmp_path / "heads.json"
+    heads.write_text(json.dumps({"protected": [{"layer": "1", "head": 3, "why": ["sink"]}]}))
+    out = tmp_path / "pruned"
+    run_cli(lambda: main(["--teacher", str(tiny_model_dir), "--method", "magnitude", "--pattern", "2:4",
+                          "--skip", "output,tok_embeddings,attention.wq,attention.wk",
+                          "--protect", str(heads), "--out", str(out)]))
+    dense = load_dense_rows(out)
+    assert {k: v.nonzero().flatten().tolist() for k, v in dense.items()} == {
+        "layers.1.attention.wv": list(range(16, 32))}
+    masks = load_masks(out)
+    assert not any(k.endswith(("attention.wq", "attention.wk")) for k in masks)
+    wv = masks["layers.1.attention.wv"]
+    assert wv[16:32].all() and not wv[:16].all() and NMPattern(2, 4).holds(wv, dense["layers.1.attention.wv"])
+
+
 @pytest.mark.parametrize("method", ["magnitude", "wanda", "obs"])
 def test_other_methods_and_skip_patterns(tiny_model_dir, calib, method):
     cfg, windows = calib

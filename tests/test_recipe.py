@@ -191,6 +191,8 @@ BAD = [
     (["--set", "stages.verify.kernel_layers=-1"], "stages[7].kernel_layers=-1"),
     (["--set", "stages.prune.calib_forward=fp8"], "stages[2].calib_forward 'fp8' is not one of"),
     (["--set", "eval.needle_dtype=fp8"], "eval.needle_dtype 'fp8' is not float32 or bfloat16"),
+    (["--set", "stages.prune.skip=attention.wq"], "stages[2].skip='attention.wq' has the wrong type"),
+    (["--set", 'stages.prune.skip=["output,attention.wq"]'], "stages[2].skip ['output,attention.wq']: each entry is one module name"),
 ]
 
 
