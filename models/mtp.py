@@ -42,8 +42,14 @@ class MTPConfig:
     # model's own distribution there. The main model is what verifies the drafts, so its distribution is the
     # one acceptance is judged against, and it costs no teacher forward (its logits come from h^0).
     target: str = "teacher"
+    # EAGLE-style feature regression (Li et al. 2024): + weight x the normalised MSE between what the head reads
+    # from module k at position i and what it reads from the main model at i + k. A dense 576-number target per
+    # token next to the logit loss; a module whose features matched exactly would draft the main model's argmax.
+    feature_weight: float = 0.0
 
     def __post_init__(self):
+        if self.feature_weight < 0:
+            raise SmeltError(f"mtp.feature_weight={self.feature_weight} must be >= 0")
         if self.depth < 0:
             raise SmeltError(f"mtp.depth={self.depth} must be >= 0")
         if not self.weight > 0:
@@ -101,20 +107,24 @@ class MTPHeads(nn.Module):
                     for k, v in m.block.state_dict().items():
                         v.copy_(last[k])
 
-    def forward(self, trunk: Transformer, h0: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
+    def forward(self, trunk: Transformer, h0: torch.Tensor, tokens: torch.Tensor, features: bool = False
+                ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Teacher-forced logits of every module: h0 [B, T, d] (trunk.hidden_states(tokens)), tokens [B, T].
 
         Returns [logits_k for k = 1..depth], logits_k [B, T - k, V]: row i predicts t_{i+k+1} (the last
-        row of each predicts past the window; losses drop it)."""
+        row of each predicts past the window; losses drop it). With `features`, also [f_k, B, T - k, d]:
+        what the head reads from module k (its final norm's output)."""
         T = tokens.shape[1]
         if T <= self.depth:
             raise SmeltError(f"mtp depth {self.depth} needs windows longer than {self.depth} tokens, got {T}")
-        h, out = h0, []
+        h, out, feats = h0, [], []
         for k, module in enumerate(self.mtp, start=1):
             n = T - k
             h = module(h[:, :n], trunk.tok_embeddings(tokens[:, k:k + n]), trunk.rope_cos[:n], trunk.rope_sin[:n])
-            out.append(trunk.output(module.norm(h)))
-        return out
+            f = module.norm(h)
+            out.append(trunk.output(f))
+            feats.append(f)
+        return (out, feats) if features else out
 
     def new_cache(self, batch: int, max_len: int) -> list[KVCache]:
         w = self.mtp[0].block.attention.wk.weight

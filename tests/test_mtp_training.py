@@ -104,6 +104,35 @@ def test_mtp_target_main_distils_to_the_frozen_main_model_without_running_a_teac
     assert _mtp_kl(trained, heads, main, tokens) < 0.9 * _mtp_kl(main, start, main, tokens)
 
 
+def _feature_nmse(model, heads, tokens) -> float:
+    """Mean normalised MSE between module 1's head input at i and the main model's at i + 1."""
+    with torch.no_grad():
+        h0 = model.hidden_states(tokens)
+        f = heads(model, h0, tokens, features=True)[1][0]
+        return float(((f - h0[:, 1:]).pow(2).sum(-1) / h0[:, 1:].pow(2).sum(-1)).mean())
+
+
+def test_mtp_feature_regression_pulls_the_module_features_onto_the_main_models(dirs, straight_run):
+    """mtp.feature_weight: the per-token feature nMSE is logged per module, and training lowers it (and the
+    KL to the main model) from the start's."""
+    from models.mtp import MTPHeads, load_mtp
+
+    src, out = straight_run.out, dirs / "mtp-feat-out"
+    cmd = LAUNCH[:-1] + ["debug_mtp_features", "--student", str(src), "--teacher", str(dirs / "teacher"),
+                         "--dump_folder", str(dirs / "mtp-feat"), "--export_dir", str(out), "--training.steps", "12"]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, launch_log(proc)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["settings"]["mtp"]["feature_weight"] == 1.0
+    main = load_hf(src)
+    heads = load_mtp(out, load_hf(out))
+    start = MTPHeads(main.cfg, 2)
+    start.init_weights(seed=0, trunk=main)
+    tokens = _windows()
+    assert _feature_nmse(main, heads, tokens) < 0.8 * _feature_nmse(main, start, tokens)
+    assert _mtp_kl(main, heads, main, tokens) < 0.9 * _mtp_kl(main, start, main, tokens)
+
+
 def test_mtp_joint_mode_trains_the_main_model_too(dirs, straight_run):
     from models.mtp import load_mtp
 

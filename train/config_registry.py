@@ -148,6 +148,13 @@ def debug_mtp_main() -> SmeltTrainer.Config:
     return _mtp(_config(steps=6, batch=2, seq_len=32, lr=3e-3, warmup=1, interval=2), depth=2, target="main")
 
 
+def debug_mtp_features() -> SmeltTrainer.Config:
+    """debug_mtp_main plus the EAGLE-style feature regression (mtp.feature_weight 1) (tests)."""
+    cfg = debug_mtp_main()
+    cfg.model_spec.model.mtp.feature_weight = 1.0
+    return cfg
+
+
 def debug_mtp_joint() -> SmeltTrainer.Config:
     """Tiny joint run: the main model trains too (its loss + 0.5 x the MTP loss) (tests)."""
     cfg = _mtp(_config(steps=4, batch=2, seq_len=32, lr=1e-3, warmup=1, interval=2), depth=1)
@@ -170,6 +177,14 @@ def smollm2_mtp_main() -> SmeltTrainer.Config:
     drafts) instead of the teacher's: no teacher is built or run."""
     cfg = smollm2_mtp()
     cfg.model_spec.model.mtp.target = "main"
+    return cfg
+
+
+def smollm2_mtp_features() -> SmeltTrainer.Config:
+    """smollm2_mtp_main plus the EAGLE-style feature regression: + 1.0 x the normalised MSE between what the
+    head reads from the module at i and from the main model at i + 1 (mtp.feature_weight)."""
+    cfg = smollm2_mtp_main()
+    cfg.model_spec.model.mtp.feature_weight = 1.0
     return cfg
 
 

@@ -22,7 +22,7 @@ from torchtitan.tools.logging import logger
 from core.errors import SmeltError
 from core.teacher_topk import TeacherTopK, TopKCache
 from core.text_source import PackedTextStream, TextSourceConfig
-from distill.losses import DistillLoss, DistillLossConfig
+from distill.losses import DistillLoss, DistillLossConfig, hidden_divergence
 from models.hf_io import config_from_hf, load_into, load_tokenizer, read_hf_config
 from models.llama import LlamaConfig, Transformer
 from models.mtp import MTP_FILE, MTPConfig, MTPHeads, load_mtp_into
@@ -102,16 +102,23 @@ class SmeltModel(BaseModel):
     def forward(self, tokens: torch.Tensor, **kwargs):
         """Logits [B, T, V]; with MTP modules (main logits or None when the main model is frozen,
         [logits of module k: B, T - k, V], the frozen main model's logits as the KL target when
-        mtp.target is "main", else None)."""
+        mtp.target is "main", else None, [per-token feature nMSE of module k: B, T - k] when
+        mtp.feature_weight > 0, else None)."""
         if self.mtp is None:
             return self.inner(tokens)
-        if self.config.mtp.joint:
+        cfg = self.config.mtp
+        if cfg.joint:
             h0 = self.inner.hidden_states(tokens)
-            return self.inner.output(h0), self.mtp(self.inner, h0, tokens), None
-        with torch.no_grad():  # frozen: no activations kept for a backward that never reaches it
-            h0 = self.inner.hidden_states(tokens)
-            own = self.inner.output(h0) if self.config.mtp.target == "main" else None
-        return None, self.mtp(self.inner, h0, tokens), own
+            main, own = self.inner.output(h0), None
+        else:
+            with torch.no_grad():  # frozen: no activations kept for a backward that never reaches it
+                h0 = self.inner.hidden_states(tokens)
+                main, own = None, self.inner.output(h0) if cfg.target == "main" else None
+        if not cfg.feature_weight:
+            return main, self.mtp(self.inner, h0, tokens), own, None
+        logits, feats = self.mtp(self.inner, h0, tokens, features=True)
+        nmse = [hidden_divergence("nmse", f, h0[:, k:k + f.shape[1]]) for k, f in enumerate(feats, start=1)]
+        return main, logits, own, nmse
 
 
 def fsdp_mesh(parallel_dims):

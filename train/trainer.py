@@ -5,7 +5,7 @@
   FSDP2 like the student so a large teacher fits.
 - Masks: masks.safetensors of the student artifact become a MaskSet; gradients of removed weights are
   zeroed after every backward and the weights re-masked after every optimizer step, or, with
-  `--mask_learning.mode srste`, the masks keep learning until a freeze step (train.masks).
+  `--mask_learning.mode srste` or `maskllm`, the masks keep learning until a freeze step (train.masks).
 - Cached teacher (`--dataloader.teacher_cache DIR`, distill.teacher_cache): the windows and the teacher's
   top-k log-probs come from the cache, no teacher is built or run, and the loss is the top-k KL
   (distill.losses.topk_forward_kl); check_config holds the cache to the run's settings.
@@ -84,6 +84,9 @@ def check_config(config: SmeltTrainer.Config) -> None:
         model = config.model_spec.model
         if model.fake_quant.enable or model.mtp.depth:
             raise SmeltError(f"{what} is for recovery: QAT and MTP stages keep the masks they are given")
+        if config.mask_learning.mode == "maskllm" and (not config.teacher or config.dataloader.teacher_cache):
+            raise SmeltError(f"{what} needs a --teacher model (its dense weights start the pruned latents; a "
+                             f"teacher cache holds none)")
     if config.dataloader.teacher_cache:
         if config.model_spec.model.mtp.depth and config.model_spec.model.mtp.target == "main":
             raise SmeltError(f"--dataloader.teacher_cache {config.dataloader.teacher_cache}: mtp.target main "
@@ -162,7 +165,7 @@ class SmeltTrainer(Trainer):
         self.distills = self.teacher is not None or bool(cache) or own_target
         self._hidden = self._hook_hidden(config) if config.loss.hidden_keys else None
         self.masks = MaskSet(self.student, load_masks(config.student), config.mask_learning,
-                             load_dense_rows(config.student), config.training.steps)
+                             load_dense_rows(config.student), config.training.steps, dense_source=self.teacher)
         bad = torch.tensor(self.masks.violations(), device=self.device)  # this rank's shards only
         if dist.is_initialized():
             dist.all_reduce(bad)  # every rank raises, or none does
@@ -277,6 +280,7 @@ class SmeltTrainer(Trainer):
             inputs, labels = self._student_windows(inputs, labels)
         elif self._policy is not None:  # the whole-model copy lives only through its on-policy step
             self._policy, self._policy_step = None, -1
+        self.masks.before_forward(self.step)  # maskllm: this step's soft masks (once per step)
         with self.train_context():
             if self._hidden is not None:
                 self._hidden["on"] = True
@@ -288,11 +292,11 @@ class SmeltTrainer(Trainer):
                         teacher_logits = self.teacher(inputs)
             if self._hidden is not None:
                 self._hidden["on"] = False
-            if isinstance(pred, tuple):  # MTP modules: (main logits or None, [module k's logits], target)
-                main, heads, own = pred
+            if isinstance(pred, tuple):  # MTP modules: (main logits or None, [module k's logits], target, nmse)
+                main, heads, own, nmse = pred
                 loss, metrics = self._mtp_loss(main, heads, labels, global_valid_tokens,
-                                               own if own is not None else teacher_logits)
-                del main, heads, own
+                                               own if own is not None else teacher_logits, nmse)
+                del main, heads, own, nmse
             else:
                 loss, metrics = self.loss_fn(pred, labels, global_valid_tokens, teacher_logits=teacher_logits)
             if self._hidden is not None:
@@ -310,16 +314,24 @@ class SmeltTrainer(Trainer):
             self._step_metrics[k] = v.detach().float()
         return loss
 
-    def _mtp_loss(self, main, heads, labels, global_valid_tokens, teacher_logits):
+    def _mtp_loss(self, main, heads, labels, global_valid_tokens, teacher_logits, nmse=None):
         """The main model's loss (joint mode) + weight * the mean over modules of each module's loss: module k
         predicts labels[:, k:] and is distilled to the target's distribution there (teacher_logits[:, k:]:
-        the teacher's, or with mtp.target "main" the frozen main model's own)."""
+        the teacher's, or with mtp.target "main" the frozen main model's own), plus feature_weight x its
+        per-token feature nMSE (nmse[k-1]) summed over valid tokens / the global token count."""
+        cfg = self.config.model_spec.model.mtp
         loss, metrics = (self.loss_fn(main, labels, global_valid_tokens, teacher_logits=teacher_logits)
                          if main is not None else (0.0, {}))
-        weight = self.config.model_spec.model.mtp.weight if main is not None else 1.0
+        weight = cfg.weight if main is not None else 1.0
         for k, logits in enumerate(heads, start=1):
             lk, mk = self.loss_fn(logits, labels[:, k:], global_valid_tokens,
                                   teacher_logits=None if teacher_logits is None else teacher_logits[:, k:])
+            if nmse is not None:
+                valid = (labels[:, k:] != -100).float()
+                total = (nmse[k - 1] * valid).sum()
+                denom = global_valid_tokens if global_valid_tokens is not None else valid.sum().clamp_min(1)
+                lk = lk + cfg.feature_weight * total / denom
+                mk["feature_nmse"] = (total / valid.sum().clamp_min(1)).detach()
             loss = loss + weight * lk / len(heads)
             metrics.update({f"mtp{k}_{name}": v for name, v in mk.items()})
         return loss, metrics
