@@ -3,6 +3,8 @@
 # recovery budget, then is evaluated against the teacher. Levers are arguments:
 #   fixed   masks frozen at the pruner's choice (the recipe's recovery)
 #   srste   masks re-selected by latent magnitude until 75% of the steps (train.masks)
+#   maskllm masks learned as per-group distributions over the six 2:4 candidates (Gumbel-softmax, prior on
+#           the pruner's choice, pruned latents from the teacher) until 75% of the steps (train.masks)
 #   hidden  + layer-wise normalised MSE on blocks 5,11,17,23,29 (weight 1)
 #   hidden-dense  + layer-wise normalised MSE on every third block from 2 (weight 5)
 #   fixed-seed1   fixed masks on another shuffle of the same text (the run-to-run spread)
@@ -24,6 +26,7 @@ for lever in "$@"; do
   case "$lever" in
     fixed) extra=() ;;
     srste) extra=(--mask_learning.mode srste) ;;
+    maskllm) extra=(--mask_learning.mode maskllm) ;;
     hidden) extra=(--loss.hidden_weight 1.0 --loss.hidden_layers "5,11,17,23,29") ;;
     fixed-seed1) extra=(--dataloader.seed 1) ;;
     onpolicy) extra=(--on_policy.share 0.25 --on_policy.prompt_tokens 32) ;;
@@ -38,7 +41,7 @@ for lever in "$@"; do
         build_s=$(( $(date +%s) - start ))
       fi
       extra=(--dataloader.teacher_cache "$cache") ;;
-    *) echo "error: lever $lever is not one of fixed, srste, hidden, hidden-dense, fixed-seed1, onpolicy, topkK" >&2; exit 2 ;;
+    *) echo "error: lever $lever is not one of fixed, srste, maskllm, hidden, hidden-dense, fixed-seed1, onpolicy, topkK" >&2; exit 2 ;;
   esac
   art="$RUNS/$lever"
   start=$(date +%s)

@@ -185,8 +185,9 @@ class MaskSet:
         return len(self.pairs)
 
     def selecting(self, step: int) -> bool:
-        """True while step `step` trains the latents and may re-select the mask."""
-        return self.learns and step <= self.last_select
+        """True while step `step` trains the latents and may re-select the mask. Step 0 never does: it is
+        torchtitan's zero-gradient optimizer step that builds the optimizer state before a resume."""
+        return self.learns and 1 <= step <= self.last_select
 
     def _soft(self, index: int, name: str, step: int, lg: torch.Tensor | None = None) -> torch.Tensor:
         """maskllm: module `index`'s soft mask for `step` (its own Gumbel draw) from its logits (or `lg`, a
