@@ -2,26 +2,26 @@
 
 Median microseconds of F.linear(x[M, in], W[out, in]) for M = 1, 2, 3, 4, 8 on SmolLM2's shapes (q/o, gate/up,
 down, the output head), fp32 and bf16; also M=2 as two M=1 calls ('2xgemv') and as (W @ x.T).T ('mv_T').
+The cases of one shape run interleaved (core.device.interleaved_seconds), after one warm-up round.
 
     python scripts/bench_small_m_linear.py --out results/bench/mtp/small-m-linear.json
 """
 import argparse
 import json
-import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
+from core.device import interleaved_seconds, machine_record
 
-def median_us(fn, n: int) -> float:
-    for _ in range(10):
-        fn()
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[n // 2] * 1e6
+
+def _two_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.stack([F.linear(x[0], w), F.linear(x[1], w)])
+
+
+def _mv_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (w @ x.T).T
 
 
 def main() -> None:
@@ -32,22 +32,19 @@ def main() -> None:
     rows = []
     for dt in (torch.float32, torch.bfloat16):
         for out, inn in ((576, 576), (1536, 576), (576, 1536), (49152, 576)):
-            n = 50 if out > 40000 else 200
             w = torch.randn(out, inn, dtype=dt)
-            r = {}
-            for m in (1, 2, 3, 4, 8):
-                x = torch.randn(m, inn, dtype=dt)
-                r[m] = median_us(lambda: F.linear(x, w), n)
+            cases = {str(m): partial(F.linear, torch.randn(m, inn, dtype=dt), w) for m in (1, 2, 3, 4, 8)}
             x2 = torch.randn(2, inn, dtype=dt)
-            r["2xgemv"] = median_us(lambda: torch.stack([F.linear(x2[0], w), F.linear(x2[1], w)]), n)
-            r["mv_T"] = median_us(lambda: (w @ x2.T).T, n)
-            print(dt, (out, inn), {k: round(v, 1) for k, v in r.items()}, flush=True)
-            rows.append({"dtype": str(dt).removeprefix("torch."), "out": out, "in": inn,
-                         "median_us": {str(k): v for k, v in r.items()}})
+            cases["2xgemv"], cases["mv_T"] = partial(_two_gemv, x2, w), partial(_mv_t, x2, w)
+            interleaved_seconds(cases, 1)  # warm-up
+            times, _ = interleaved_seconds(cases, 50 if out > 40000 else 200)
+            us = {k: sorted(v)[len(v) // 2] * 1e6 for k, v in times.items()}
+            print(dt, (out, inn), {k: round(v, 1) for k, v in us.items()}, flush=True)
+            rows.append({"dtype": str(dt).removeprefix("torch."), "out": out, "in": inn, "median_us": us})
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"command": "python scripts/bench_small_m_linear.py", "threads": torch.get_num_threads(),
-                       "rows": rows}, f, indent=1)
+            json.dump({"command": "python scripts/bench_small_m_linear.py --out " + args.out,
+                       "machine": machine_record(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

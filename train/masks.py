@@ -236,6 +236,8 @@ class MaskSet:
             if self.maskllm and w.grad is not None:
                 g = local(w.grad)
                 logits = local(self.logits[name])
+                # this step's soft mask again (same noise), now with a graph: keeping every module's soft
+                # mask and graph from before_forward would hold about 1.5 more copies of the masked weights
                 probe = logits.detach().clone().requires_grad_(True)
                 with torch.enable_grad():
                     soft = self._soft(i, name, step, probe)

@@ -114,6 +114,16 @@ def check_config(config: SmeltTrainer.Config) -> None:
             raise SmeltError(f"--checkpoint.load_step {ck.load_step}: no checkpoint at {step_dir}")
 
 
+def _token_mean(per_token: torch.Tensor, labels: torch.Tensor, global_valid_tokens
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A per-token term [B, T] as a loss part (its sum over valid tokens / the global token count, as the
+    trainer's losses are normalised) and, detached, its mean over this micro-batch's valid tokens (a metric)."""
+    valid = (labels != -100).float()
+    total = (per_token * valid).sum()
+    denom = global_valid_tokens if global_valid_tokens is not None else valid.sum().clamp_min(1)
+    return total / denom, (total / valid.sum().clamp_min(1)).detach()
+
+
 class SmeltTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -221,12 +231,11 @@ class SmeltTrainer(Trainer):
     def _hidden_loss(self, labels, global_valid_tokens):
         """Sum over valid tokens of the mean over paired blocks of hidden_divergence, / global tokens."""
         h, c = self._hidden, self.config.loss
-        valid = (labels != -100).float()
         keys = c.hidden_keys
-        total = sum((hidden_divergence(c.hidden_kind, h["s"][k], h["t"][k]) * valid).sum() for k in keys) / len(keys)
-        denom = global_valid_tokens if global_valid_tokens is not None else valid.sum().clamp_min(1)
+        per_token = sum(hidden_divergence(c.hidden_kind, h["s"][k], h["t"][k]) for k in keys) / len(keys)
         h["s"], h["t"] = {}, {}
-        return c.hidden_weight * total / denom, (total / valid.sum().clamp_min(1)).detach()
+        loss, mean = _token_mean(per_token, labels, global_valid_tokens)
+        return c.hidden_weight * loss, mean
 
     def _cpu_model(self) -> Transformer:
         """An empty fp32 CPU copy of the student's architecture (the export fills it)."""
@@ -327,11 +336,8 @@ class SmeltTrainer(Trainer):
             lk, mk = self.loss_fn(logits, labels[:, k:], global_valid_tokens,
                                   teacher_logits=None if teacher_logits is None else teacher_logits[:, k:])
             if nmse is not None:
-                valid = (labels[:, k:] != -100).float()
-                total = (nmse[k - 1] * valid).sum()
-                denom = global_valid_tokens if global_valid_tokens is not None else valid.sum().clamp_min(1)
-                lk = lk + cfg.feature_weight * total / denom
-                mk["feature_nmse"] = (total / valid.sum().clamp_min(1)).detach()
+                feature, mk["feature_nmse"] = _token_mean(nmse[k - 1], labels[:, k:], global_valid_tokens)
+                lk = lk + cfg.feature_weight * feature
             loss = loss + weight * lk / len(heads)
             metrics.update({f"mtp{k}_{name}": v for name, v in mk.items()})
         return loss, metrics
