@@ -193,7 +193,8 @@ def test_maskllm_is_seeded_and_refuses_what_it_cannot_start_from():
     masks, _ = _two_of_four(model)
     with pytest.raises(SmeltError, match="maskllm: the teacher has no layers"):
         MaskSet(model, masks, MaskLearningConfig(mode="maskllm"), {}, 4)
-    for kw, named in (({"tau_start": 0.0}, "tau_start"), ({"logit_lr": 0.0}, "logit_lr")):
+    for kw, named in (({"tau_start": 0.0}, "tau_start"), ({"tau_end": -1.0}, "tau_end"),
+                      ({"logit_lr": 0.0}, "logit_lr"), ({"prior": -1.0}, "mask_learning.prior")):
         with pytest.raises(SmeltError, match=named):
             MaskLearningConfig(mode="maskllm", **kw)
 

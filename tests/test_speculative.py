@@ -154,6 +154,8 @@ def test_bad_settings_are_one_line_errors():
         MTPConfig(depth=1, target="self")
     with pytest.raises(SmeltError, match="mtp.target='main' needs a frozen main model"):
         MTPConfig(depth=1, target="main", joint=True)
+    with pytest.raises(SmeltError, match="mtp.feature_weight=-1.0 must be >= 0"):
+        MTPConfig(depth=1, feature_weight=-1.0)
 
 
 def test_benchmark_cli_reports_acceptance_and_speed_and_refuses_a_foreign_mtp_file(tmp_path, capsys):

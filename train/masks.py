@@ -70,6 +70,8 @@ class MaskLearningConfig:
             raise SmeltError(f"mask_learning.every={self.every} must be >= 1")
         if not (self.tau_start > 0 and self.tau_end > 0):
             raise SmeltError(f"mask_learning.tau_start={self.tau_start} and tau_end={self.tau_end} must be > 0")
+        if not self.prior >= 0:
+            raise SmeltError(f"mask_learning.prior={self.prior} must be >= 0 (the pruner's candidate's head start)")
         if not self.logit_lr > 0:
             raise SmeltError(f"mask_learning.logit_lr={self.logit_lr} must be > 0")
         if not 0 < self.freeze_fraction < 1:
