@@ -10,7 +10,8 @@ teacher (per-bucket KL mean / P99, PPL) next to the first setting's.
 
 A setting is FORWARD/HESSIAN (CalibConfig.forward / .hessian), or `today`: the same stage command run from
 --today-tree, a checkout of the code before these levers (`git worktree add /tmp/today <commit>`), with its
-own defaults. Writes OUT/summary.json (+ each run's manifest as OUT/<stage>-<setting>-r<k>.manifest.json).
+own defaults; or LABEL from `--tree LABEL=PATH`: another checkout, run the same way (e.g. the previous
+commit, to time one change). Writes OUT/summary.json (+ each run's manifest as OUT/<stage>-<setting>-r<k>.manifest.json).
 Run it on an otherwise idle machine.
 """
 from __future__ import annotations
@@ -57,6 +58,7 @@ def main() -> None:
     ap.add_argument("--stage-settings", action="append", default=[],
                     help="STAGE=S1,S2,...: settings for one stage (default: --settings)")
     ap.add_argument("--today-tree", help="checkout of the code the `today` setting runs")
+    ap.add_argument("--tree", action="append", default=[], help="LABEL=PATH: a checkout the setting LABEL runs")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
     out, runs = Path(args.out), Path(args.runs)
@@ -66,6 +68,9 @@ def main() -> None:
     for item in args.stage_settings:
         st, _, settings = item.partition("=")
         per_stage[st] = settings.split(",")
+    trees = dict(t.split("=", 1) for t in args.tree)
+    if args.today_tree:
+        trees["today"] = args.today_tree
     results: dict[tuple[str, str], list[dict]] = {}
     for r in range(args.repeats):
         for st in stages:
@@ -73,10 +78,10 @@ def main() -> None:
                 name = f"{st}-{setting.replace('/', '-')}-r{r}"
                 cmd = [sys.executable, *COMMANDS[st], "--calib-windows", str(args.windows), "--calib-corpus", MIX,
                        "--eval", "--overwrite", "--out", str((runs / name).resolve())]
-                if setting != "today":
+                if setting not in trees:
                     fwd, hess = setting.split("/")
                     cmd += ["--calib-forward", fwd, "--calib-hessian", hess]
-                cwd = args.today_tree if setting == "today" else None
+                cwd = trees.get(setting)
                 print(f"$ {'(in ' + cwd + ') ' if cwd else ''}python", " ".join(cmd[1:]), flush=True)
                 proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (its tree: eval included)
