@@ -1,7 +1,8 @@
 """Why a 2-token verification costs ~2 decode steps on some CPUs (issue 13): F.linear at a few rows.
 
 Median microseconds of F.linear(x[M, in], W[out, in]) for M = 1, 2, 3, 4, 8 on SmolLM2's shapes (q/o, gate/up,
-down, the output head), fp32 and bf16; also M=2 as two M=1 calls ('2xgemv') and as (W @ x.T).T ('mv_T').
+down, the output head), fp32 and bf16; also M=2 as two M=1 calls ('2xgemv'), and every M as (W @ x.T).T
+('mv_T M'; 'mv_T' alone is M=2): the path models.generate.small_m_linears takes.
 The cases of one shape run interleaved (core.device.interleaved_seconds), after one warm-up round.
 
     python scripts/bench_small_m_linear.py --out results/bench/mtp/small-m-linear.json
@@ -36,6 +37,7 @@ def main() -> None:
             cases = {str(m): partial(F.linear, torch.randn(m, inn, dtype=dt), w) for m in (1, 2, 3, 4, 8)}
             x2 = torch.randn(2, inn, dtype=dt)
             cases["2xgemv"], cases["mv_T"] = partial(_two_gemv, x2, w), partial(_mv_t, x2, w)
+            cases.update({f"mv_T {m}": partial(_mv_t, torch.randn(m, inn, dtype=dt), w) for m in (1, 3, 4, 8)})
             interleaved_seconds(cases, 1)  # warm-up
             times, _ = interleaved_seconds(cases, 50 if out > 40000 else 200)
             us = {k: sorted(v)[len(v) // 2] * 1e6 for k, v in times.items()}
