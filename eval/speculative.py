@@ -13,9 +13,13 @@ outputs must be identical (exactness is checked, not assumed). Reported per buck
   tokens for one verification forward plus gamma module steps, so speedup <= (gamma + 1) / (r + gamma * c),
   where c is a draft step's time and r a verification forward's, both relative to one plain decode step
   (measured here).
+Both decoders run with `models.generate.small_m_linears` (fp32 Linears on a CPU compute their few decode
+rows as W @ xᵀ; README, issue 13) unless `--no-small-m`, which keeps F.linear everywhere.
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import shlex
 import sys
@@ -29,7 +33,7 @@ from core.data import BUCKETS, bucket_prompts
 from core.device import machine_record
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_write_text
-from models.generate import sample
+from models.generate import sample, small_m_linears
 from models.hf_io import load_hf, load_tokenizer
 from models.mtp import load_mtp, mtp_metadata
 from models.speculative import acceptance_summary, speculative_generate
@@ -75,6 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--languages", default="en,zh,code")
     ap.add_argument("--any-main-model", action="store_true",
                     help="allow MTP modules trained against another main model (e.g. before QAT)")
+    ap.add_argument("--small-m", action=argparse.BooleanOptionalAction, default=True,
+                    help="decode rows as W @ x.T on CPU fp32 Linears (both decoders alike; --no-small-m: F.linear)")
     ap.add_argument("--out", help="JSON report")
     args = ap.parse_args(argv)
     langs = [s.strip() for s in args.languages.split(",") if s.strip()]
@@ -94,35 +100,37 @@ def main(argv: list[str] | None = None) -> None:
     heads = load_mtp(args.model, model, check_fingerprint=not args.any_main_model)
     tok_dir = args.model if (Path(args.model) / "tokenizer.json").is_file() else resolve_teacher(args.teacher)
     tokenizer = load_tokenizer(tok_dir)
-    per, accepted_all = {}, []
-    plain_s = spec_s = 0.0
-    tokens = 0
-    for lang in langs:
-        prompts = bucket_prompts(tokenizer, lang, args.prompts, args.prompt_len)
-        acc, p_s, s_s = [], 0.0, 0.0
-        for i, prompt in enumerate(tqdm(prompts, desc=f"speculative {lang}", unit="prompt", leave=False)):
-            order = ("plain", "spec") if i % 2 == 0 else ("spec", "plain")
-            outs = {}
-            for what in order:
-                t0 = time.perf_counter()
-                if what == "plain":
-                    outs[what] = sample(model, prompt, args.new_tokens, temperature=0)
-                    p_s += time.perf_counter() - t0
-                else:
-                    outs[what], stats = speculative_generate(model, heads, prompt, args.new_tokens, gamma=args.gamma)
-                    s_s += time.perf_counter() - t0
-            if not torch.equal(outs["plain"], outs["spec"]):
-                raise SmeltError(f"{lang} prompt {i}: speculative output differs from plain greedy (a bug)")
-            acc += stats.accepted
-        n_tok = args.prompts * args.new_tokens
-        per[lang] = _summary(acc, args.gamma, n_tok / p_s, n_tok / s_s)
-        accepted_all += acc
-        plain_s, spec_s, tokens = plain_s + p_s, spec_s + s_s, tokens + n_tok
-    costs = step_costs(model, heads, bucket_prompts(tokenizer, langs[0], 1, args.prompt_len)[0], args.gamma)
+    with small_m_linears(model, heads) if args.small_m else contextlib.nullcontext():
+        per, accepted_all = {}, []
+        plain_s = spec_s = 0.0
+        tokens = 0
+        for lang in langs:
+            prompts = bucket_prompts(tokenizer, lang, args.prompts, args.prompt_len)
+            acc, p_s, s_s = [], 0.0, 0.0
+            for i, prompt in enumerate(tqdm(prompts, desc=f"speculative {lang}", unit="prompt", leave=False)):
+                order = ("plain", "spec") if i % 2 == 0 else ("spec", "plain")
+                outs = {}
+                for what in order:
+                    t0 = time.perf_counter()
+                    if what == "plain":
+                        outs[what] = sample(model, prompt, args.new_tokens, temperature=0)
+                        p_s += time.perf_counter() - t0
+                    else:
+                        outs[what], stats = speculative_generate(model, heads, prompt, args.new_tokens, gamma=args.gamma)
+                        s_s += time.perf_counter() - t0
+                if not torch.equal(outs["plain"], outs["spec"]):
+                    raise SmeltError(f"{lang} prompt {i}: speculative output differs from plain greedy (a bug)")
+                acc += stats.accepted
+            n_tok = args.prompts * args.new_tokens
+            per[lang] = _summary(acc, args.gamma, n_tok / p_s, n_tok / s_s)
+            accepted_all += acc
+            plain_s, spec_s, tokens = plain_s + p_s, spec_s + s_s, tokens + n_tok
+        costs = step_costs(model, heads, bucket_prompts(tokenizer, langs[0], 1, args.prompt_len)[0], args.gamma)
     c, r = costs["draft"] / costs["decode"], costs["verify"] / costs["decode"]
     result = {"model": args.model, "gamma": args.gamma, "mtp": meta,
               "settings": {"prompts_per_bucket": args.prompts, "prompt_len": args.prompt_len,
-                           "new_tokens": args.new_tokens, "languages": langs, "greedy": True, "batch": 1},
+                           "new_tokens": args.new_tokens, "languages": langs, "greedy": True, "batch": 1,
+                           "small_m": args.small_m},
               "buckets": per,
               "overall": _summary(accepted_all, args.gamma, tokens / plain_s, tokens / spec_s),
               "step_seconds": costs, "draft_cost": c, "verify_cost": r,

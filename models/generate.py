@@ -2,9 +2,48 @@
 reuses the same cache (`KVCache.truncate` rolls back rejected drafts) and `next_token`."""
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from models.llama import Transformer
+
+SMALL_M = 8  # rows up to which small_m_linears computes W @ xᵀ (scripts/bench_small_m_linear.py)
+
+
+def _small_m_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
+    if rows > SMALL_M:
+        return F.linear(x, module.weight, module.bias)
+    y = (module.weight @ x.reshape(rows, x.shape[-1]).T).T
+    if module.bias is not None:
+        y = y + module.bias
+    return y.reshape(*x.shape[:-1], module.out_features)
+
+
+@contextlib.contextmanager
+def small_m_linears(*roots: nn.Module):
+    """Inside this block the fp32 nn.Linear layers on a CPU under `roots` compute inputs of up to SMALL_M
+    rows as (W @ xᵀ)ᵀ instead of x @ Wᵀ: the same products, summed in another order.
+
+    Why: decoding feeds a Linear 1 to gamma + 1 rows, and some CPUs' BLAS (MKL on this AMD EPYC) take the
+    x @ Wᵀ path at a cost proportional to the rows, twice as slow as W @ xᵀ even at one row on the output
+    head (README, issue 13). Packed or quantized layers (other classes), GPU and bf16 layers keep their
+    own path. Restores every layer's forward on exit.
+    """
+    patched = list({id(m): m for root in roots for m in root.modules()  # a module shared by roots: once
+                    if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+                    and "forward" not in m.__dict__}.values())
+    for m in patched:
+        m.forward = functools.partial(_small_m_forward, m)
+    try:
+        yield len(patched)
+    finally:
+        for m in patched:
+            del m.forward
 
 
 def next_token(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,

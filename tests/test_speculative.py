@@ -6,9 +6,10 @@ import itertools
 
 import pytest
 import torch
+from torch import nn
 
 from core.errors import SmeltError
-from models.generate import sample
+from models.generate import SMALL_M, sample, small_m_linears
 from models.llama import LlamaConfig, build_model
 from models.mtp import MTPHeads
 from models.speculative import speculative_generate
@@ -61,6 +62,34 @@ def test_greedy_is_token_for_token_plain_greedy(block_scale, gamma):
     random_heads.init_weights(seed=5)
     got, _ = speculative_generate(model, random_heads, PROMPT, 40, gamma=gamma, temperature=0)
     assert torch.equal(got, want)
+
+
+def test_small_m_linears_compute_the_same_products_and_restore_every_layer():
+    model = _peaked(CFG, 1, 0.1)
+    lin = model.layers["0"].feed_forward.w1
+    biased, bf16 = nn.Linear(CFG.dim, 8), nn.Linear(CFG.dim, 8).bfloat16()
+    x = {m: torch.randn(1, m, CFG.dim) for m in (1, 2, SMALL_M, SMALL_M + 1)}
+    want = {m: (lin(v), biased(v)) for m, v in x.items()}
+    fp32_linears = sum(type(m) is nn.Linear for m in model.modules())
+    with small_m_linears(model, model.layers["0"], biased, bf16) as n:  # layers["0"] again: patched once
+        assert n == fp32_linears + 1  # bf16 keeps its own path
+        assert "forward" in lin.__dict__ and "forward" not in bf16.__dict__
+        for m, v in x.items():
+            assert torch.allclose(lin(v), want[m][0], rtol=1e-5, atol=1e-6)
+            assert torch.allclose(biased(v), want[m][1], rtol=1e-5, atol=1e-6)
+    assert not any("forward" in m.__dict__ for m in [*model.modules(), biased])
+
+
+@pytest.mark.parametrize("gamma", [1, 2])
+def test_greedy_with_small_m_linears_is_still_plain_greedy(gamma):
+    model = _peaked(CFG, 1, 1.0)
+    heads = MTPHeads(CFG, 2)
+    heads.init_weights(seed=5, trunk=model)
+    want = sample(model, PROMPT, 40, temperature=0)
+    with small_m_linears(model, heads):
+        plain = sample(model, PROMPT, 40, temperature=0)
+        got, stats = speculative_generate(model, heads, PROMPT, 40, gamma=gamma, temperature=0)
+    assert torch.equal(plain, want) and torch.equal(got, want) and stats.rounds > 0
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -183,7 +212,7 @@ def test_benchmark_cli_reports_acceptance_and_speed_and_refuses_a_foreign_mtp_fi
     assert set(r["buckets"]) == {"en", "zh", "code"} and r["overall"]["rounds"] > 0
     o = r["overall"]
     assert 0 <= o["alpha_first"] <= 1 and 1 <= o["tokens_per_forward"] <= 2 and o["plain_tok_s"] > 0
-    assert r["ceiling_speedup"] > 0 and r["mtp"]["depth"] == "1"
+    assert r["ceiling_speedup"] > 0 and r["mtp"]["depth"] == "1" and r["settings"]["small_m"] is True
     capsys.readouterr()
     for argv, message in ((["--gamma", "2"], "--gamma 2 exceeds the MTP depth 1"),
                           (["--gamma", "0"], "--gamma 0 must be >= 1")):
