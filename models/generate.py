@@ -11,14 +11,21 @@ from torch import nn
 
 from models.llama import Transformer
 
-SMALL_M = 8  # rows up to which small_m_linears computes W @ xᵀ (scripts/bench_small_m_linear.py)
+SMALL_M = 4  # rows up to which small_m_linears computes W @ xᵀ: faster or equal on every SmolLM2 shape at 2-4
+WIDE_OUT = 16384  # ... and a 1-row input to a layer this wide (the output head) goes as 2 rows: a CPU gemv
+# streams the [49152, 576] head at half the speed of a 2-column gemm (10.4 against 4.1 ms; both measured by
+# scripts/bench_small_m_linear.py, results/bench/mtp/small-m-linear.json)
 
 
 def _small_m_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     if rows > SMALL_M:
         return F.linear(x, module.weight, module.bias)
-    y = (module.weight @ x.reshape(rows, x.shape[-1]).T).T
+    x2 = x.reshape(rows, x.shape[-1])
+    if rows == 1 and module.out_features >= WIDE_OUT:
+        y = (module.weight @ x2.expand(2, -1).T)[:, :1].T
+    else:
+        y = (module.weight @ x2.T).T
     if module.bias is not None:
         y = y + module.bias
     return y.reshape(*x.shape[:-1], module.out_features)

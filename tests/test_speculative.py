@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from core.errors import SmeltError
-from models.generate import SMALL_M, sample, small_m_linears
+from models.generate import SMALL_M, WIDE_OUT, sample, small_m_linears
 from models.llama import LlamaConfig, build_model
 from models.mtp import MTPHeads
 from models.speculative import speculative_generate
@@ -67,16 +67,17 @@ def test_greedy_is_token_for_token_plain_greedy(block_scale, gamma):
 def test_small_m_linears_compute_the_same_products_and_restore_every_layer():
     model = _peaked(CFG, 1, 0.1)
     lin = model.layers["0"].feed_forward.w1
-    biased, bf16 = nn.Linear(CFG.dim, 8), nn.Linear(CFG.dim, 8).bfloat16()
+    biased, bf16, wide = nn.Linear(CFG.dim, 8), nn.Linear(CFG.dim, 8).bfloat16(), nn.Linear(CFG.dim, WIDE_OUT)
     x = {m: torch.randn(1, m, CFG.dim) for m in (1, 2, SMALL_M, SMALL_M + 1)}
-    want = {m: (lin(v), biased(v)) for m, v in x.items()}
+    want = {m: (lin(v), biased(v), wide(v)) for m, v in x.items()}
     fp32_linears = sum(type(m) is nn.Linear for m in model.modules())
-    with small_m_linears(model, model.layers["0"], biased, bf16) as n:  # layers["0"] again: patched once
-        assert n == fp32_linears + 1  # bf16 keeps its own path
+    with small_m_linears(model, model.layers["0"], biased, bf16, wide) as n:  # layers["0"] again: once
+        assert n == fp32_linears + 2  # bf16 keeps its own path
         assert "forward" in lin.__dict__ and "forward" not in bf16.__dict__
         for m, v in x.items():
             assert torch.allclose(lin(v), want[m][0], rtol=1e-5, atol=1e-6)
             assert torch.allclose(biased(v), want[m][1], rtol=1e-5, atol=1e-6)
+            assert torch.allclose(wide(v), want[m][2], rtol=1e-5, atol=1e-6)  # 1 row goes as 2
     assert not any("forward" in m.__dict__ for m in [*model.modules(), biased])
 
 
