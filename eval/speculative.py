@@ -101,30 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     tok_dir = args.model if (Path(args.model) / "tokenizer.json").is_file() else resolve_teacher(args.teacher)
     tokenizer = load_tokenizer(tok_dir)
     with small_m_linears(model, heads) if args.small_m else contextlib.nullcontext():
-        per, accepted_all = {}, []
-        plain_s = spec_s = 0.0
-        tokens = 0
-        for lang in langs:
-            prompts = bucket_prompts(tokenizer, lang, args.prompts, args.prompt_len)
-            acc, p_s, s_s = [], 0.0, 0.0
-            for i, prompt in enumerate(tqdm(prompts, desc=f"speculative {lang}", unit="prompt", leave=False)):
-                order = ("plain", "spec") if i % 2 == 0 else ("spec", "plain")
-                outs = {}
-                for what in order:
-                    t0 = time.perf_counter()
-                    if what == "plain":
-                        outs[what] = sample(model, prompt, args.new_tokens, temperature=0)
-                        p_s += time.perf_counter() - t0
-                    else:
-                        outs[what], stats = speculative_generate(model, heads, prompt, args.new_tokens, gamma=args.gamma)
-                        s_s += time.perf_counter() - t0
-                if not torch.equal(outs["plain"], outs["spec"]):
-                    raise SmeltError(f"{lang} prompt {i}: speculative output differs from plain greedy (a bug)")
-                acc += stats.accepted
-            n_tok = args.prompts * args.new_tokens
-            per[lang] = _summary(acc, args.gamma, n_tok / p_s, n_tok / s_s)
-            accepted_all += acc
-            plain_s, spec_s, tokens = plain_s + p_s, spec_s + s_s, tokens + n_tok
+        per, overall = _race(model, heads, tokenizer, langs, args)
         costs = step_costs(model, heads, bucket_prompts(tokenizer, langs[0], 1, args.prompt_len)[0], args.gamma)
     c, r = costs["draft"] / costs["decode"], costs["verify"] / costs["decode"]
     result = {"model": args.model, "gamma": args.gamma, "mtp": meta,
@@ -132,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
                            "new_tokens": args.new_tokens, "languages": langs, "greedy": True, "batch": 1,
                            "small_m": args.small_m},
               "buckets": per,
-              "overall": _summary(accepted_all, args.gamma, tokens / plain_s, tokens / spec_s),
+              "overall": overall,
               "step_seconds": costs, "draft_cost": c, "verify_cost": r,
               "ceiling_speedup": (args.gamma + 1) / (r + args.gamma * c),
               "machine": machine_record(),
@@ -144,6 +121,36 @@ def main(argv: list[str] | None = None) -> None:
           f"{result['ceiling_speedup']:.2f}x at draft cost {c:.2f}, verify cost {r:.2f})")
     if args.out:
         atomic_write_text(args.out, json.dumps(result, indent=1) + "\n")
+
+
+def _race(model, heads, tokenizer, langs: list[str], args) -> tuple[dict, dict]:
+    """Decode every bucket's prompts plain and speculative (alternating which goes first), check the outputs
+    are identical, and time both: ({bucket: summary}, overall summary)."""
+    per, accepted_all = {}, []
+    plain_s = spec_s = 0.0
+    for lang in langs:
+        prompts = bucket_prompts(tokenizer, lang, args.prompts, args.prompt_len)
+        acc, p_s, s_s = [], 0.0, 0.0
+        for i, prompt in enumerate(tqdm(prompts, desc=f"speculative {lang}", unit="prompt", leave=False)):
+            order = ("plain", "spec") if i % 2 == 0 else ("spec", "plain")
+            outs = {}
+            for what in order:
+                t0 = time.perf_counter()
+                if what == "plain":
+                    outs[what] = sample(model, prompt, args.new_tokens, temperature=0)
+                    p_s += time.perf_counter() - t0
+                else:
+                    outs[what], stats = speculative_generate(model, heads, prompt, args.new_tokens, gamma=args.gamma)
+                    s_s += time.perf_counter() - t0
+            if not torch.equal(outs["plain"], outs["spec"]):
+                raise SmeltError(f"{lang} prompt {i}: speculative output differs from plain greedy (a bug)")
+            acc += stats.accepted
+        n_tok = args.prompts * args.new_tokens
+        per[lang] = _summary(acc, args.gamma, n_tok / p_s, n_tok / s_s)
+        accepted_all += acc
+        plain_s, spec_s = plain_s + p_s, spec_s + s_s
+    tokens = len(langs) * args.prompts * args.new_tokens
+    return per, _summary(accepted_all, args.gamma, tokens / plain_s, tokens / spec_s)
 
 
 def _summary(accepted: list[int], gamma: int, plain_tok_s: float, spec_tok_s: float) -> dict:

@@ -11,7 +11,8 @@ from torch import nn
 
 from models.llama import Transformer
 
-SMALL_M = 4  # rows up to which small_m_linears computes W @ xᵀ: faster or equal on every SmolLM2 shape at 2-4
+SMALL_M = 4  # rows up to which small_m_linears computes W @ xᵀ: at 2-4 rows within 3% of F.linear or faster on
+# SmolLM2's shapes (1 row is a gemv either way)
 WIDE_OUT = 16384  # ... and a 1-row input to a layer this wide (the output head) goes as 2 rows: a CPU gemv
 # streams the [49152, 576] head at half the speed of a 2-column gemm (10.4 against 4.1 ms; both measured by
 # scripts/bench_small_m_linear.py, results/bench/mtp/small-m-linear.json)
@@ -37,8 +38,8 @@ def small_m_linears(*roots: nn.Module):
     rows as (W @ xᵀ)ᵀ instead of x @ Wᵀ: the same products, summed in another order.
 
     Why: decoding feeds a Linear 1 to gamma + 1 rows, and some CPUs' BLAS (MKL on this AMD EPYC) take the
-    x @ Wᵀ path at a cost proportional to the rows, twice as slow as W @ xᵀ even at one row on the output
-    head (README, issue 13). Packed or quantized layers (other classes), GPU and bf16 layers keep their
+    x @ Wᵀ path at a cost proportional to the rows, while W @ xᵀ costs the output head less at 2 rows than
+    either path at one (README, issue 13). Packed or quantized layers (other classes), GPU and bf16 layers keep their
     own path. Restores every layer's forward on exit.
     """
     patched = list({id(m): m for root in roots for m in root.modules()  # a module shared by roots: once

@@ -68,6 +68,9 @@ def main() -> None:
     for item in args.stage_settings:
         st, _, settings = item.partition("=")
         per_stage[st] = settings.split(",")
+    bad = next((t for t in args.tree if "=" not in t or not t.partition("=")[0] or "/" in t.partition("=")[0]), None)
+    if bad is not None:
+        ap.error(f"--tree {bad!r} must be LABEL=PATH (a label without '/', so it is no FORWARD/HESSIAN setting)")
     trees = dict(t.split("=", 1) for t in args.tree)
     if args.today_tree:
         trees["today"] = args.today_tree

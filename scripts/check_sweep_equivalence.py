@@ -1,34 +1,63 @@
-"""Issue 15: does the transposed OBS column sweep change what GPTQ optimises? The layer-wise loss of GPTQ W4 g64
-(act-order) with the sweep of commit 82536b8 and with today's, on the real teacher's first 3 blocks.
+"""Issue 15: does the transposed OBS column sweep change what GPTQ optimises? The layer-wise loss
+tr(ΔW H ΔWᵀ) of GPTQ W4 g64 (act-order) with the sweep of commit 82536b8 and with this checkout's, on the
+real teacher's first 3 blocks (16 calibration windows of the recipe's mix).
 
     python scripts/check_sweep_equivalence.py > results/bench/oneshot-amd/sweep-equivalence.txt
 """
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import core.obs  # noqa: E402
+import qat.gptq  # noqa: E402
+from core.calibrate import CalibConfig, run_blocks  # noqa: E402
+from models.hf_io import load_hf, load_tokenizer  # noqa: E402
+from models.teacher import resolve_teacher  # noqa: E402
+from qat.quantizers import QuantSpec  # noqa: E402
+
+BEFORE = "82536b8"  # the commit before the transposed sweep
+BLOCKS = 3
 
 
-import importlib.util, subprocess, sys, torch
-sys.path.insert(0, ".")
-import core.obs as new_obs
-old_src = subprocess.run(["git", "show", "82536b8:core/obs.py"], capture_output=True, text=True).stdout
-spec = importlib.util.spec_from_loader("old_obs", loader=None); old_obs = importlib.util.module_from_spec(spec)
-exec(old_src, old_obs.__dict__)
-from core.calibrate import CalibConfig, run_blocks
-from models.hf_io import load_hf, load_tokenizer
-from models.teacher import resolve_teacher
-import qat.gptq as G
-from qat.quantizers import QuantSpec
-td = resolve_teacher("smollm2-135m"); model = load_hf(td); tok = load_tokenizer(td)
-cfg = CalibConfig(n_windows=16, corpus="wikitext2-valid+code-train+zh-train")
-got = {}
-def on_block(prefix, block, stats):
-    if int(prefix.split(".")[1]) < 3:
-        for n, st in stats.items(): got[n] = (dict(block.named_modules())[n[len(prefix)+1:]].weight.detach().clone(), st.H.double().clone())
-run_blocks(model, cfg.windows(tok), on_block, cfg, progress=False)
-spec_q = QuantSpec(bits=4, group_size=64, symmetric=True)
-tot = {"old": 0.0, "new": 0.0}
-for n, (W, H) in got.items():
-    for label, mod in (("old", old_obs), ("new", new_obs)):
-        G.obs_column_sweep = mod.obs_column_sweep
-        Wq = G.gptq_quantize(W, H.float(), spec_q, act_order=True)[0]
-        d = (Wq - W).double(); loss = float(torch.einsum("ij,jk,ik->", d, H, d)); tot[label] += loss
-        print(n, label, f"{loss:.6g}")
-print(tot, tot["new"] / tot["old"] - 1)
+def sweep_at(commit: str):
+    """obs_column_sweep as core/obs.py had it at `commit` (our own repository's source, read with git show)."""
+    src = subprocess.run(["git", "show", f"{commit}:core/obs.py"], capture_output=True, text=True, check=True).stdout
+    module = types.ModuleType(f"obs_{commit}")
+    exec(compile(src, f"{commit}:core/obs.py", "exec"), module.__dict__)
+    return module.obs_column_sweep
+
+
+def main() -> None:
+    teacher = resolve_teacher("smollm2-135m")
+    model, tokenizer = load_hf(teacher), load_tokenizer(teacher)
+    cfg = CalibConfig(n_windows=16, corpus="wikitext2-valid+code-train+zh-train")
+    layers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (W, H in fp64)
+
+    def on_block(prefix, block, stats):
+        if int(prefix.split(".")[1]) < BLOCKS:
+            modules = dict(block.named_modules())
+            for name, st in stats.items():
+                layers[name] = (modules[name[len(prefix) + 1:]].weight.detach().clone(), st.H.double().clone())
+
+    run_blocks(model, cfg.windows(tokenizer), on_block, cfg, progress=False)
+    sweeps = {"old": sweep_at(BEFORE), "new": core.obs.obs_column_sweep}
+    spec = QuantSpec(bits=4, group_size=64, symmetric=True)
+    total = dict.fromkeys(sweeps, 0.0)
+    for name, (W, H) in layers.items():
+        for label, sweep in sweeps.items():
+            qat.gptq.obs_column_sweep = sweep  # gptq_quantize calls the sweep through its module global
+            Wq = qat.gptq.gptq_quantize(W, H.float(), spec, act_order=True)[0]
+            d = (Wq - W).double()
+            loss = float(torch.einsum("ij,jk,ik->", d, H, d))
+            total[label] += loss
+            print(name, label, f"{loss:.6g}")
+    print(total, total["new"] / total["old"] - 1)
+
+
+if __name__ == "__main__":
+    main()
