@@ -13,12 +13,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import core.obs  # noqa: E402
-import qat.gptq  # noqa: E402
-from core.calibrate import CalibConfig, run_blocks  # noqa: E402
-from models.hf_io import load_hf, load_tokenizer  # noqa: E402
-from models.teacher import resolve_teacher  # noqa: E402
-from qat.quantizers import QuantSpec  # noqa: E402
+import core.obs
+import qat.gptq
+from core.calibrate import CalibConfig, run_blocks
+from models.hf_io import load_hf, load_tokenizer
+from models.teacher import resolve_teacher
+from qat.quantizers import QuantSpec
 
 BEFORE = "82536b8"  # the commit before the transposed sweep
 BLOCKS = 3
@@ -28,7 +28,7 @@ def sweep_at(commit: str):
     """obs_column_sweep as core/obs.py had it at `commit` (our own repository's source, read with git show)."""
     src = subprocess.run(["git", "show", f"{commit}:core/obs.py"], capture_output=True, text=True, check=True).stdout
     module = types.ModuleType(f"obs_{commit}")
-    exec(compile(src, f"{commit}:core/obs.py", "exec"), module.__dict__)
+    exec(compile(src, f"{commit}:core/obs.py", "exec"), module.__dict__)  # noqa: S102 (this repository's own past source)
     return module.obs_column_sweep
 
 
