@@ -13,6 +13,8 @@ outputs must be identical (exactness is checked, not assumed). Reported per buck
   tokens for one verification forward plus gamma module steps, so speedup <= (gamma + 1) / (r + gamma * c),
   where c is a draft step's time and r a verification forward's, both relative to one plain decode step
   (measured here).
+`--draft-vocab N` drafts from the N most frequent tokens of a training corpus only (models.speculative.DraftVocab;
+FR-Spec, Zhao et al. 2025): a cheaper draft step, the same exact output, possibly fewer accepted drafts.
 Both decoders run with `models.generate.small_m_linears` (fp32 Linears on a CPU compute their few decode
 rows as W @ xᵀ; README, issue 13) unless `--no-small-m`, which keeps F.linear everywhere.
 """
@@ -29,19 +31,20 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from core.data import BUCKETS, bucket_prompts
+from core.data import BUCKETS, bucket_prompts, corpus_tokens, split_corpora
 from core.device import machine_record
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_write_text
 from models.generate import sample, small_m_linears
 from models.hf_io import load_hf, load_tokenizer
 from models.mtp import load_mtp, mtp_metadata
-from models.speculative import acceptance_summary, speculative_generate
+from models.speculative import DraftVocab, acceptance_summary, frequent_token_ids, speculative_generate
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 
 
 @torch.no_grad()
-def step_costs(model, heads, prompt: torch.Tensor, gamma: int, repeats: int = 20) -> dict[str, float]:
+def step_costs(model, heads, prompt: torch.Tensor, gamma: int, repeats: int = 20,
+               draft_vocab: DraftVocab | None = None) -> dict[str, float]:
     """Seconds of one plain decode step, one draft step (MTP module + head) and one (gamma+1)-token
     verification forward, after a prefill of `prompt`."""
     cache = model.new_cache(1, prompt.shape[1] + repeats * (gamma + 2) + 2)
@@ -56,7 +59,7 @@ def step_costs(model, heads, prompt: torch.Tensor, gamma: int, repeats: int = 20
         t0 = time.perf_counter()
         model(tok, cache)
         t1 = time.perf_counter()
-        model.output(module.norm(module(h[:, -1:], emb, cos, sin, mcache)))
+        (model.output if draft_vocab is None else draft_vocab)(module.norm(module(h[:, -1:], emb, cos, sin, mcache)))
         mcache.truncate(0)
         t2 = time.perf_counter()
         model(tok.expand(1, gamma + 1), cache)
@@ -81,6 +84,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="allow MTP modules trained against another main model (e.g. before QAT)")
     ap.add_argument("--small-m", action=argparse.BooleanOptionalAction, default=True,
                     help="decode rows as W @ x.T on CPU fp32 Linears (both decoders alike; --no-small-m: F.linear)")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="draft from the N most frequent tokens of --draft-vocab-corpus only (0: the whole head)")
+    ap.add_argument("--draft-vocab-corpus", default="wikitext2-valid+code-train+zh-train",
+                    help="training corpora ('+'-joined) whose token counts choose the draft vocabulary")
     ap.add_argument("--out", help="JSON report")
     args = ap.parse_args(argv)
     langs = [s.strip() for s in args.languages.split(",") if s.strip()]
@@ -100,14 +107,17 @@ def main(argv: list[str] | None = None) -> None:
     heads = load_mtp(args.model, model, check_fingerprint=not args.any_main_model)
     tok_dir = args.model if (Path(args.model) / "tokenizer.json").is_file() else resolve_teacher(args.teacher)
     tokenizer = load_tokenizer(tok_dir)
-    with small_m_linears(model, heads) if args.small_m else contextlib.nullcontext():
-        per, overall = _race(model, heads, tokenizer, langs, args)
-        costs = step_costs(model, heads, bucket_prompts(tokenizer, langs[0], 1, args.prompt_len)[0], args.gamma)
+    draft_vocab, vocab_record = _draft_vocab(model, tokenizer, args)
+    roots = (model, heads) if draft_vocab is None else (model, heads, draft_vocab)
+    with small_m_linears(*roots) if args.small_m else contextlib.nullcontext():
+        per, overall = _race(model, heads, tokenizer, langs, args, draft_vocab)
+        costs = step_costs(model, heads, bucket_prompts(tokenizer, langs[0], 1, args.prompt_len)[0], args.gamma,
+                           draft_vocab=draft_vocab)
     c, r = costs["draft"] / costs["decode"], costs["verify"] / costs["decode"]
     result = {"model": args.model, "gamma": args.gamma, "mtp": meta,
               "settings": {"prompts_per_bucket": args.prompts, "prompt_len": args.prompt_len,
                            "new_tokens": args.new_tokens, "languages": langs, "greedy": True, "batch": 1,
-                           "small_m": args.small_m},
+                           "small_m": args.small_m, "draft_vocab": vocab_record},
               "buckets": per,
               "overall": overall,
               "step_seconds": costs, "draft_cost": c, "verify_cost": r,
@@ -123,7 +133,23 @@ def main(argv: list[str] | None = None) -> None:
         atomic_write_text(args.out, json.dumps(result, indent=1) + "\n")
 
 
-def _race(model, heads, tokenizer, langs: list[str], args) -> tuple[dict, dict]:
+def _draft_vocab(model, tokenizer, args) -> tuple[DraftVocab | None, dict | None]:
+    """The --draft-vocab subset and its record (size, corpus, the share of the corpus' tokens it covers)."""
+    if args.draft_vocab == 0:
+        return None, None
+    V = model.cfg.vocab_size
+    if not 0 < args.draft_vocab <= V:
+        raise SmeltError(f"--draft-vocab {args.draft_vocab} must be within [0, {V}] (0: the whole head)")
+    tokens = torch.cat([corpus_tokens(tokenizer, c) for c in split_corpora(args.draft_vocab_corpus)])
+    ids = frequent_token_ids(tokens, args.draft_vocab, V)
+    covered = torch.zeros(V, dtype=torch.bool)
+    covered[ids] = True
+    return DraftVocab(model.output, ids), {"size": args.draft_vocab, "corpus": args.draft_vocab_corpus,
+                                           "corpus_coverage": float(covered[tokens].float().mean())}
+
+
+def _race(model, heads, tokenizer, langs: list[str], args, draft_vocab: DraftVocab | None = None
+          ) -> tuple[dict, dict]:
     """Decode every bucket's prompts plain and speculative (alternating which goes first), check the outputs
     are identical, and time both: ({bucket: summary}, overall summary)."""
     per, accepted_all = {}, []
@@ -140,7 +166,8 @@ def _race(model, heads, tokenizer, langs: list[str], args) -> tuple[dict, dict]:
                     outs[what] = sample(model, prompt, args.new_tokens, temperature=0)
                     p_s += time.perf_counter() - t0
                 else:
-                    outs[what], stats = speculative_generate(model, heads, prompt, args.new_tokens, gamma=args.gamma)
+                    outs[what], stats = speculative_generate(model, heads, prompt, args.new_tokens, gamma=args.gamma,
+                                                             draft_vocab=draft_vocab)
                     s_s += time.perf_counter() - t0
             if not torch.equal(outs["plain"], outs["spec"]):
                 raise SmeltError(f"{lang} prompt {i}: speculative output differs from plain greedy (a bug)")

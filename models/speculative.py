@@ -10,6 +10,10 @@ Each round (batch 1), with N tokens in the main model's KV cache and the next to
 This is speculative sampling (Leviathan et al. 2023; Chen et al. 2023): every token has exactly the main
 model's distribution, and greedy output equals plain greedy decoding token for token.
 
+Drafting may read a restricted head (`DraftVocab`: the output head's rows for a frequent-token subset, as
+FR-Spec does, Zhao et al. 2025): q is then zero outside the subset, which the rule above already handles
+exactly; only the draft's cost and its acceptance change.
+
 Rollback: the main cache is truncated to the accepted tokens; level k's cache and hidden states at
 position i were computed from token i + k, so they survive while that token was accepted (i + k <= N + a).
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from core.errors import SmeltError
 from models.generate import next_token
@@ -33,6 +38,48 @@ def acceptance_summary(accepted: list[int], gamma: int) -> dict:
     return {"rounds": len(accepted), "alpha_first": alpha, "mean_accepted": sum(accepted) / n,
             "tokens_per_forward": 1 + sum(accepted) / n, "gamma": gamma,
             "predicted_tokens_per_forward": (1 - alpha ** (gamma + 1)) / (1 - alpha) if alpha < 1 else gamma + 1}
+
+
+class DraftVocab(nn.Module):
+    """The output head's rows for a token subset, used only to draft: a draft step's head then costs
+    len(ids) / vocab of the full head's, which dominates a one-block MTP module's step on a CPU."""
+
+    def __init__(self, head: nn.Module, ids: torch.Tensor):
+        super().__init__()
+        weight = getattr(head, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+            raise SmeltError(f"draft vocabulary: the output head ({type(head).__name__}) has no [vocab, dim] weight")
+        vocab = weight.shape[0]
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        if len(ids) == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise SmeltError(f"draft vocabulary: {len(ids)} ids must be non-empty and within [0, {vocab})")
+        if len(ids.unique()) != len(ids):
+            raise SmeltError("draft vocabulary: the ids must be distinct")
+        self.vocab = vocab
+        self.register_buffer("ids", ids.to(weight.device), persistent=False)
+        bias = getattr(head, "bias", None)
+        self.head = nn.Linear(weight.shape[1], len(ids), bias=bias is not None, device=weight.device,
+                              dtype=weight.dtype)
+        with torch.no_grad():
+            self.head.weight.copy_(weight[self.ids])
+            if bias is not None:
+                self.head.bias.copy_(bias[self.ids])
+        self.head.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits over the subset, in the order of `ids`."""
+        return self.head(x)
+
+
+def frequent_token_ids(tokens: torch.Tensor, n: int, vocab_size: int) -> torch.Tensor:
+    """The n most frequent ids of a token stream (ties: the lower id), most frequent first; ids that never
+    occur fill the rest in id order, so any n <= vocab_size gives n distinct ids."""
+    if not 1 <= n <= vocab_size:
+        raise SmeltError(f"draft vocabulary size {n} must be within [1, {vocab_size}] (the vocabulary)")
+    tokens = tokens.flatten()
+    if tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab_size:
+        raise SmeltError(f"draft vocabulary: the token stream holds ids outside [0, {vocab_size})")
+    return torch.argsort(-torch.bincount(tokens, minlength=vocab_size), stable=True)[:n]
 
 
 @dataclass
@@ -55,8 +102,10 @@ def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 @torch.no_grad()
 def speculative_generate(model: Transformer, heads: MTPHeads, prompt: torch.Tensor, max_new_tokens: int,
                          gamma: int = 1, temperature: float = 0.0,
-                         generator: torch.Generator | None = None) -> tuple[torch.Tensor, SpecStats]:
-    """Continue prompt [1, P] by exactly max_new_tokens tokens -> ([1, P + max_new_tokens], stats)."""
+                         generator: torch.Generator | None = None,
+                         draft_vocab: DraftVocab | None = None) -> tuple[torch.Tensor, SpecStats]:
+    """Continue prompt [1, P] by exactly max_new_tokens tokens -> ([1, P + max_new_tokens], stats).
+    `draft_vocab`: draft from that token subset (DraftVocab) instead of the whole head."""
     if gamma < 1:
         raise SmeltError(f"gamma={gamma} must be >= 1 (drafted tokens per round)")
     if gamma > heads.depth:
@@ -67,6 +116,8 @@ def speculative_generate(model: Transformer, heads: MTPHeads, prompt: torch.Tens
         raise SmeltError(f"max_new_tokens={max_new_tokens} must be >= 1")
     if not temperature >= 0:
         raise SmeltError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    if draft_vocab is not None and draft_vocab.vocab != model.cfg.vocab_size:
+        raise SmeltError(f"draft vocabulary built for {draft_vocab.vocab} tokens; the model has {model.cfg.vocab_size}")
     P = prompt.shape[1]
     max_len = P + max_new_tokens + gamma + 1
     if max_len > model.cfg.max_seq_len:
@@ -93,10 +144,17 @@ def speculative_generate(model: Transformer, heads: MTPHeads, prompt: torch.Tens
             out = module(hs[k - 1][:, c:N], model.tok_embeddings(toks), model.rope_cos[c:N], model.rope_sin[c:N],
                          mcache[k - 1])
             hs[k][:, c:N], count[k] = out, N
-            logits = model.output(module.norm(out[:, -1]))[0]
-            d = int(next_token(logits[None], temperature, generator=generator))
+            x = module.norm(out[:, -1])
+            if draft_vocab is None:
+                logits = model.output(x)[0]
+                d = int(next_token(logits[None], temperature, generator=generator))
+                q.append(None if temperature == 0 else _probs(logits, temperature))
+            else:
+                logits = draft_vocab(x)[0]
+                d = int(draft_vocab.ids[next_token(logits[None], temperature, generator=generator)[0]])
+                q.append(None if temperature == 0 else torch.zeros(
+                    draft_vocab.vocab, device=logits.device).index_copy_(0, draft_vocab.ids, _probs(logits, temperature)))
             drafts.append(d)
-            q.append(None if temperature == 0 else _probs(logits, temperature))
         h = model.hidden_states(torch.tensor([[seq[N], *drafts]], device=device), cache)
         logits = model.output(h)[0]  # [gamma + 1, V]: p_j predicts the token after position N + j
         a, nxt = 0, None

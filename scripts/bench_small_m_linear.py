@@ -6,9 +6,13 @@ down, the output head), fp32 and bf16; also M=2 as two M=1 calls ('2xgemv'), and
 The cases of one shape run interleaved (core.device.interleaved_seconds), after one warm-up round.
 
     python scripts/bench_small_m_linear.py --out results/bench/mtp/small-m-linear.json
+    python scripts/bench_small_m_linear.py --shapes 4096x576,8192x576,16384x576 --dtypes float32 \
+        --out results/bench/mtp/small-m-linear-draft-heads.json   # restricted draft heads (--draft-vocab)
 """
 import argparse
 import json
+import shlex
+import sys
 from functools import partial
 
 import torch
@@ -27,12 +31,21 @@ def _mv_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="576x576,1536x576,576x1536,49152x576", help="OUTxIN weight shapes")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--out", help="write the table as JSON here")
     args = ap.parse_args()
+    try:
+        shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
+        dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
+    except (ValueError, AttributeError):
+        ap.error(f"--shapes {args.shapes!r} / --dtypes {args.dtypes!r}: OUTxIN,... and torch dtype names")
+    if any(len(s) != 2 or min(s) < 1 for s in shapes) or not all(isinstance(d, torch.dtype) for d in dtypes):
+        ap.error(f"--shapes {args.shapes!r} / --dtypes {args.dtypes!r}: OUTxIN with positive sizes, torch dtypes")
     torch.manual_seed(0)
     rows = []
-    for dt in (torch.float32, torch.bfloat16):
-        for out, inn in ((576, 576), (1536, 576), (576, 1536), (49152, 576)):
+    for dt in dtypes:
+        for out, inn in shapes:
             w = torch.randn(out, inn, dtype=dt)
             cases = {str(m): partial(F.linear, torch.randn(m, inn, dtype=dt), w) for m in (1, 2, 3, 4, 8)}
             x2 = torch.randn(2, inn, dtype=dt)
@@ -45,7 +58,7 @@ def main() -> None:
             rows.append({"dtype": str(dt).removeprefix("torch."), "out": out, "in": inn, "median_us": us})
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"command": "python scripts/bench_small_m_linear.py --out " + args.out,
+            json.dump({"command": shlex.join(["python", "scripts/bench_small_m_linear.py", *sys.argv[1:]]),
                        "machine": machine_record(), "rows": rows}, f, indent=1)
 
 

@@ -12,7 +12,7 @@ from core.errors import SmeltError
 from models.generate import SMALL_M, WIDE_OUT, sample, small_m_linears
 from models.llama import LlamaConfig, build_model
 from models.mtp import MTPHeads
-from models.speculative import speculative_generate
+from models.speculative import DraftVocab, frequent_token_ids, speculative_generate
 
 CFG = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden=64, max_seq_len=128,
                   tie_embeddings=False)
@@ -125,6 +125,42 @@ def test_cached_drafts_are_the_teacher_forced_modules_predictions(depth):
     assert 0 in stats.accepted and sum(stats.accepted) > 0  # rejections to roll back, acceptances to check
 
 
+def test_a_restricted_draft_vocabulary_keeps_greedy_exact_and_drafts_only_from_it():
+    """Drafts come from the subset only; where the main model's choice lies outside it the draft is rejected,
+    and the output is still plain greedy token for token (with and without small-M linears)."""
+    model = _peaked(CFG, 1, 0.0)
+    heads = _oracle(CFG, 2)  # drafts exactly the main model's choice from the whole head
+    want = sample(model, PROMPT, 40, temperature=0)
+    _, full = speculative_generate(model, heads, PROMPT, 40, gamma=2)
+    chosen = want[0, PROMPT.shape[1]:]
+    n_chosen = len(set(chosen.tolist()))
+    assert n_chosen >= 2
+    subset = frequent_token_ids(chosen, n_chosen // 2, CFG.vocab_size)  # misses some of the choices
+    vocab = DraftVocab(model.output, subset)
+    for roots in ((), (model, heads, vocab)):
+        with small_m_linears(*roots):
+            got, stats = speculative_generate(model, heads, PROMPT, 40, gamma=2, draft_vocab=vocab)
+        assert torch.equal(got, want)
+        assert {d for ds in stats.drafted for d in ds} <= set(subset.tolist())
+        assert full.summary(2)["alpha_first"] == 1 > stats.summary(2)["alpha_first"] > 0
+
+
+def test_frequent_token_ids_and_draft_vocabulary_errors():
+    assert frequent_token_ids(torch.tensor([5, 2, 5, 7, 2, 5]), 4, 8).tolist() == [5, 2, 7, 0]  # ties: lower id
+    model = build_model(CFG, seed=0)
+    vocab = DraftVocab(model.output, torch.tensor([3, 1]))
+    x = torch.randn(2, CFG.dim)
+    assert torch.allclose(vocab(x), model.output(x)[:, [3, 1]], atol=1e-6)  # a smaller gemm: another sum order
+    for bad, message in ((lambda: frequent_token_ids(torch.tensor([1]), 0, 8), "size 0 must be within"),
+                         (lambda: frequent_token_ids(torch.tensor([9]), 2, 8), "ids outside"),
+                         (lambda: DraftVocab(model.output, torch.tensor([1, 1])), "distinct"),
+                         (lambda: DraftVocab(model.output, torch.tensor([64])), "within \\[0, 64\\)"),
+                         (lambda: speculative_generate(model, MTPHeads(CFG, 1), PROMPT, 4, draft_vocab=DraftVocab(
+                             nn.Linear(CFG.dim, 10), torch.tensor([1]))), "built for 10 tokens")):
+        with pytest.raises(SmeltError, match=message):
+            bad()
+
+
 def _exact_marginals(model, prompt, n_new: int) -> list[torch.Tensor]:
     """Exact distribution of each of the first n_new sampled tokens (temperature 1), by enumeration."""
     V = model.cfg.vocab_size
@@ -135,10 +171,12 @@ def _exact_marginals(model, prompt, n_new: int) -> list[torch.Tensor]:
     return [torch.zeros(V).index_add_(0, seqs[:, j], joint) for j in range(n_new)]
 
 
-def test_sampling_has_the_main_models_distribution():
+@pytest.mark.parametrize("draft_ids", [None, (2, 5, 0)])
+def test_sampling_has_the_main_models_distribution(draft_ids):
     """Tokens 2 and 3 are the ones MTP drafts propose: their marginals over 3000 runs must match the exact
     marginals (total variation <= 0.05; the expected TV of 3000 samples over 8 tokens is ~0.02), while the
-    drafter's own proposals are far from them (so a sampler that accepted every draft would fail)."""
+    drafter's own proposals are far from them (so a sampler that accepted every draft would fail). With a
+    3-token draft vocabulary q is zero on the other 5, which only the residual can reach."""
     cfg = LlamaConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=8, ffn_hidden=64, max_seq_len=32)
     model = build_model(cfg, seed=3).eval()
     with torch.no_grad():
@@ -147,10 +185,14 @@ def test_sampling_has_the_main_models_distribution():
     heads.init_weights(seed=4, std=0.3)
     prompt = torch.tensor([[1, 4, 6]])
     exact = _exact_marginals(model, prompt, 3)
+    vocab = None if draft_ids is None else DraftVocab(model.output, torch.tensor(draft_ids))
     g = torch.Generator().manual_seed(0)
     n, counts, accepted = 3000, torch.zeros(3, 8), 0
     for _ in range(n):
-        out, stats = speculative_generate(model, heads, prompt, 3, gamma=2, temperature=1.0, generator=g)
+        out, stats = speculative_generate(model, heads, prompt, 3, gamma=2, temperature=1.0, generator=g,
+                                          draft_vocab=vocab)
+        if vocab is not None:
+            assert {d for ds in stats.drafted for d in ds} <= set(draft_ids)
         counts[torch.arange(3), out[0, 3:]] += 1
         accepted += sum(stats.accepted)
     for j in (1, 2):
@@ -214,9 +256,15 @@ def test_benchmark_cli_reports_acceptance_and_speed_and_refuses_a_foreign_mtp_fi
     o = r["overall"]
     assert 0 <= o["alpha_first"] <= 1 and 1 <= o["tokens_per_forward"] <= 2 and o["plain_tok_s"] > 0
     assert r["ceiling_speedup"] > 0 and r["mtp"]["depth"] == "1" and r["settings"]["small_m"] is True
+    assert r["settings"]["draft_vocab"] is None
+    run_cli(lambda: main(["--model", str(out), "--prompts", "1", "--prompt-len", "16", "--new-tokens", "8",
+                          "--languages", "en", "--draft-vocab", "40", "--out", str(report)]))
+    rec = json.loads(report.read_text())["settings"]["draft_vocab"]
+    assert rec["size"] == 40 and 0.5 < rec["corpus_coverage"] < 1  # byte tokens: 40 frequent ones, not all
     capsys.readouterr()
     for argv, message in ((["--gamma", "2"], "--gamma 2 exceeds the MTP depth 1"),
-                          (["--gamma", "0"], "--gamma 0 must be >= 1")):
+                          (["--gamma", "0"], "--gamma 0 must be >= 1"),
+                          (["--draft-vocab", "100000"], "--draft-vocab 100000 must be within [0, ")):
         with pytest.raises(SystemExit):
             run_cli(lambda: main(["--model", str(out), *argv]))
         err = capsys.readouterr().err.strip()
