@@ -13,9 +13,10 @@ from models.llama import Transformer
 
 SMALL_M = 4  # rows up to which small_m_linears computes W @ xᵀ: at 2-4 rows within 3% of F.linear or faster on
 # SmolLM2's shapes (1 row is a gemv either way)
-WIDE_OUT = 16384  # ... and a 1-row input to a layer this wide (the output head) goes as 2 rows: a CPU gemv
-# streams the [49152, 576] head at half the speed of a 2-column gemm (10.4 against 4.1 ms; both measured by
-# scripts/bench_small_m_linear.py, results/bench/mtp/small-m-linear.json)
+WIDE_OUT = 8192  # ... and a 1-row input to a layer this wide (the output head, a restricted draft head) goes as
+# 2 rows: a CPU gemv streams such weights at half the speed of a 2-column gemm (the [49152, 576] head 10.4
+# against 4.1 ms, [8192, 576] 1.76 against 0.86 ms; at [4096, 576] the gemv wins, 0.33 against 0.40 ms:
+# scripts/bench_small_m_linear.py, results/bench/mtp/small-m-linear.json and small-m-linear-draft-heads.json)
 
 
 def _small_m_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
