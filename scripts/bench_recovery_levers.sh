@@ -5,8 +5,8 @@
 #   srste   masks re-selected by latent magnitude until 75% of the steps (train.masks)
 #   maskllm masks learned as per-group distributions over the six 2:4 candidates (Gumbel-softmax, prior on
 #           the pruner's choice, pruned latents from the teacher) until 75% of the steps (train.masks)
-#   maskllm-prior8  the same with the pruner's candidate at logit 8: sampled masks start nearly
-#           deterministic (another candidate drawn for ~0.2% of the groups a step, not ~20%)
+#   maskllm-priorP  the same with the pruner's candidate at logit P (maskllm-prior8: sampled masks start
+#           nearly deterministic, another candidate drawn for ~0.2% of the groups a step, not ~20%)
 #   hidden  + layer-wise normalised MSE on blocks 5,11,17,23,29 (weight 1)
 #   hidden-dense  + layer-wise normalised MSE on every third block from 2 (weight 5)
 #   fixed-seed1   fixed masks on another shuffle of the same text (the run-to-run spread)
@@ -29,7 +29,7 @@ for lever in "$@"; do
     fixed) extra=() ;;
     srste) extra=(--mask_learning.mode srste) ;;
     maskllm) extra=(--mask_learning.mode maskllm) ;;
-    maskllm-prior8) extra=(--mask_learning.mode maskllm --mask_learning.prior 8) ;;
+    maskllm-prior[0-9]*) extra=(--mask_learning.mode maskllm --mask_learning.prior "${lever#maskllm-prior}") ;;
     hidden) extra=(--loss.hidden_weight 1.0 --loss.hidden_layers "5,11,17,23,29") ;;
     fixed-seed1) extra=(--dataloader.seed 1) ;;
     onpolicy) extra=(--on_policy.share 0.25 --on_policy.prompt_tokens 32) ;;
@@ -44,7 +44,7 @@ for lever in "$@"; do
         build_s=$(( $(date +%s) - start ))
       fi
       extra=(--dataloader.teacher_cache "$cache") ;;
-    *) echo "error: lever $lever is not one of fixed, srste, maskllm, maskllm-prior8, hidden, hidden-dense, fixed-seed1, onpolicy, topkK" >&2; exit 2 ;;
+    *) echo "error: lever $lever is not one of fixed, srste, maskllm, maskllm-priorP, hidden, hidden-dense, fixed-seed1, onpolicy, topkK" >&2; exit 2 ;;
   esac
   art="$RUNS/$lever"
   start=$(date +%s)
