@@ -29,7 +29,10 @@ for lever in "$@"; do
     fixed) extra=() ;;
     srste) extra=(--mask_learning.mode srste) ;;
     maskllm) extra=(--mask_learning.mode maskllm) ;;
-    maskllm-prior[0-9]*) extra=(--mask_learning.mode maskllm --mask_learning.prior "${lever#maskllm-prior}") ;;
+    maskllm-prior[0-9]*)
+      prior="${lever#maskllm-prior}"
+      [[ $prior =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "error: lever $lever: the prior must be a number" >&2; exit 2; }
+      extra=(--mask_learning.mode maskllm --mask_learning.prior "$prior") ;;
     hidden) extra=(--loss.hidden_weight 1.0 --loss.hidden_layers "5,11,17,23,29") ;;
     fixed-seed1) extra=(--dataloader.seed 1) ;;
     onpolicy) extra=(--on_policy.share 0.25 --on_policy.prompt_tokens 32) ;;
