@@ -7,6 +7,7 @@
 #           the pruner's choice, pruned latents from the teacher) until 75% of the steps (train.masks)
 #   maskllm-priorP  the same with the pruner's candidate at logit P (maskllm-prior8: sampled masks start
 #           nearly deterministic, another candidate drawn for ~0.2% of the groups a step, not ~20%)
+#   lrX     fixed masks at peak learning rate X (lr3e-4; the recipe's recovery uses 1e-4)
 #   hidden  + layer-wise normalised MSE on blocks 5,11,17,23,29 (weight 1)
 #   hidden-dense  + layer-wise normalised MSE on every third block from 2 (weight 5)
 #   fixed-seed1   fixed masks on another shuffle of the same text (the run-to-run spread)
@@ -33,6 +34,10 @@ for lever in "$@"; do
       prior="${lever#maskllm-prior}"
       [[ $prior =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "error: lever $lever: the prior must be a number" >&2; exit 2; }
       extra=(--mask_learning.mode maskllm --mask_learning.prior "$prior") ;;
+    lr[0-9]*)
+      lr="${lever#lr}"
+      [[ $lr =~ ^[0-9]+(\.[0-9]+)?(e-?[0-9]+)?$ ]] || { echo "error: lever $lever: the learning rate must be a number" >&2; exit 2; }
+      extra=(--optimizer.param-groups.0.optimizer-kwargs.lr "$lr") ;;
     hidden) extra=(--loss.hidden_weight 1.0 --loss.hidden_layers "5,11,17,23,29") ;;
     fixed-seed1) extra=(--dataloader.seed 1) ;;
     onpolicy) extra=(--on_policy.share 0.25 --on_policy.prompt_tokens 32) ;;
@@ -47,7 +52,7 @@ for lever in "$@"; do
         build_s=$(( $(date +%s) - start ))
       fi
       extra=(--dataloader.teacher_cache "$cache") ;;
-    *) echo "error: lever $lever is not one of fixed, srste, maskllm, maskllm-priorP, hidden, hidden-dense, fixed-seed1, onpolicy, topkK" >&2; exit 2 ;;
+    *) echo "error: lever $lever is not one of fixed, srste, maskllm, maskllm-priorP, lrX, hidden, hidden-dense, fixed-seed1, onpolicy, topkK" >&2; exit 2 ;;
   esac
   art="$RUNS/$lever"
   start=$(date +%s)
