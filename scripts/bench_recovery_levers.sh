@@ -23,37 +23,43 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 START="${START:-runs/smollm2/pruned-2of4}" RUNS="${RUNS:-runs/levers}" OUT="${OUT:-results/bench/recovery-levers}"
 STEPS="${STEPS:-60}" DTYPE="${DTYPE:-bfloat16}"
-mkdir -p "$RUNS" "$OUT"
-for lever in "$@"; do
-  build_s=0
-  case "$lever" in
+number() {  # number LEVER VALUE WHAT: a one-line error unless VALUE is a plain or e-notation number
+  [[ $2 =~ ^[0-9]+(\.[0-9]+)?(e-?[0-9]+)?$ ]] || { echo "error: lever $1: $3 must be a number" >&2; exit 2; }
+}
+lever_args() {  # lever_args LEVER: its trainer overrides into `extra`, a topk lever's cache path into `cache`
+  case "$1" in
     fixed) extra=() ;;
     srste) extra=(--mask_learning.mode srste) ;;
     maskllm) extra=(--mask_learning.mode maskllm) ;;
     maskllm-prior[0-9]*)
-      prior="${lever#maskllm-prior}"
-      [[ $prior =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "error: lever $lever: the prior must be a number" >&2; exit 2; }
-      extra=(--mask_learning.mode maskllm --mask_learning.prior "$prior") ;;
+      number "$1" "${1#maskllm-prior}" "the prior"
+      extra=(--mask_learning.mode maskllm --mask_learning.prior "${1#maskllm-prior}") ;;
     lr[0-9]*)
-      lr="${lever#lr}"
-      [[ $lr =~ ^[0-9]+(\.[0-9]+)?(e-?[0-9]+)?$ ]] || { echo "error: lever $lever: the learning rate must be a number" >&2; exit 2; }
-      extra=(--optimizer.param-groups.0.optimizer-kwargs.lr "$lr") ;;
+      number "$1" "${1#lr}" "the learning rate"
+      extra=(--optimizer.param-groups.0.optimizer-kwargs.lr "${1#lr}") ;;
     hidden) extra=(--loss.hidden_weight 1.0 --loss.hidden_layers "5,11,17,23,29") ;;
     fixed-seed1) extra=(--dataloader.seed 1) ;;
     onpolicy) extra=(--on_policy.share 0.25 --on_policy.prompt_tokens 32) ;;
     hidden-dense) extra=(--loss.hidden_weight 5.0 --loss.hidden_layers "2,5,8,11,14,17,20,23,26,29") ;;
     topk[0-9]*)
-      cache="$RUNS/cache-$lever"
-      if [ ! -d "$cache" ]; then  # the recipe's recovery layout: 2 ranks x 2 windows of 256, its mix, seed 0
-        start=$(date +%s)
-        .venv/bin/python -m distill.teacher_cache --teacher smollm2-135m --source wikitext2-valid+code-train+zh-train \
-          --seq-len 256 --windows $((STEPS * 4)) --top-k "${lever#topk}" --ranks 2 --local-batch 2 \
-          --dtype "$DTYPE" --out "$cache"
-        build_s=$(( $(date +%s) - start ))
-      fi
+      [[ ${1#topk} =~ ^[0-9]+$ ]] || { echo "error: lever $1: K must be a whole number" >&2; exit 2; }
+      cache="$RUNS/cache-$1"
       extra=(--dataloader.teacher_cache "$cache") ;;
-    *) echo "error: lever $lever is not one of fixed, srste, maskllm, maskllm-priorP, lrX, hidden, hidden-dense, fixed-seed1, onpolicy, topkK" >&2; exit 2 ;;
+    *) echo "error: lever $1 is not one of fixed, srste, maskllm, maskllm-priorP, lrX, hidden, hidden-dense, fixed-seed1, onpolicy, topkK" >&2; exit 2 ;;
   esac
+}
+for lever in "$@"; do lever_args "$lever"; done  # every lever checked before the first one trains
+mkdir -p "$RUNS" "$OUT"
+for lever in "$@"; do
+  lever_args "$lever"
+  build_s=0
+  if [[ $lever == topk* && ! -d $cache ]]; then  # the recipe's recovery layout: 2 ranks x 2 windows of 256, its mix, seed 0
+    start=$(date +%s)
+    .venv/bin/python -m distill.teacher_cache --teacher smollm2-135m --source wikitext2-valid+code-train+zh-train \
+      --seq-len 256 --windows $((STEPS * 4)) --top-k "${lever#topk}" --ranks 2 --local-batch 2 \
+      --dtype "$DTYPE" --out "$cache"
+    build_s=$(( $(date +%s) - start ))
+  fi
   art="$RUNS/$lever"
   start=$(date +%s)
   .venv/bin/python -m train.launch --nproc 2 -- --module train.config_registry --config smollm2_recover \
