@@ -36,6 +36,7 @@ from configs.recipe_spec import (
     PtqStage,
     Recipe,
     ReleaseStage,
+    SelfTextStage,
     Stage,
     TrainStage,
     load,
@@ -64,8 +65,8 @@ def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
     """The stage's own commands, in order (the evaluation after it: `evaluation`)."""
     t, par, calib = recipe.teacher, recipe.parallelism, recipe.data.calibration
     if st.kind == "teacher":
-        sources = [calib or ""] + [s.budget["source"] or "" for s in recipe.stages
-                                   if isinstance(s, TrainStage)]
+        sources = [calib or ""] + [s.budget["source"] or "" for s in recipe.stages if isinstance(s, TrainStage)]
+        sources += [s.corpus for s in recipe.stages if isinstance(s, SelfTextStage)]
         fetch = ["zh-train"] if any("zh-train" in s.split("+") for s in sources) else []
         fetch += ["en-news"] if "news" in (recipe.eval or {}).get("windows", {}) else []
         # fetched once, before any rank (or evaluation) reads them
@@ -86,6 +87,11 @@ def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
                  "--seq-len", str(st.seq_len), "--windows", str(st.windows), "--top-k", str(st.top_k),
                  "--ranks", str(recipe.dp), "--local-batch", str(st.local_batch), "--dtype", st.dtype,
                  "--out", st.dst]]
+    if st.kind == "self_text":
+        return [[PY, "-m", "distill.self_text", "--model", st.src, "--teacher", t, "--corpus", st.corpus,
+                 *_opt("--prompts", st.prompts), *_opt("--prompt-len", st.prompt_len),
+                 *_opt("--new-tokens", st.new_tokens), *_opt("--batch-size", st.batch_size),
+                 *_opt("--seed", st.seed), "--out", st.dst]]
     if st.kind in TRAINING:
         launch = [*shlex.split(env.get("SMELT_LAUNCH_PREFIX", "")), PY, "-m", "train.launch", "--nproc",
                   str(par.nproc)]
@@ -146,6 +152,9 @@ def plan(recipe: Recipe, shape, env: dict, only: str | None = None) -> dict:
         if isinstance(st, (PruneStage, PtqStage)):
             w, n = st.calib_windows or CalibConfig.n_windows, st.calib_seq_len or CalibConfig.seq_len
             entry.update(tokens=w * n, tokens_formula=f"calibration {w} windows x {n}")
+        if isinstance(st, SelfTextStage) and st.prompts and st.new_tokens:
+            entry.update(tokens=st.prompts * st.new_tokens,
+                         tokens_formula=f"written: {st.prompts} prompts x {st.new_tokens} new tokens")
         if isinstance(st, TrainStage):
             b = entry["budget"] = {k: v for k, v in st.budget.items() if k != "overrides"}
             entry.update(tokens=b["steps"] * b["global_batch"] * b["seq_len"],

@@ -14,13 +14,13 @@ from pathlib import Path
 from configs.memory import read_registry
 from configs.schema import build, read_toml
 from core.calibrate import FORWARD_DTYPES, CalibConfig
-from core.data import EvalConfig
+from core.data import TRAIN_MIX, EvalConfig, is_corpus_mix
 from core.errors import SmeltError
 from core.patterns import NMPattern
-from core.text_source import TextSourceConfig
+from core.text_source import SELF_TEXT_FILE, TextSourceConfig
 
-KINDS = ("teacher", "heads", "prune", "teacher_cache", "recover", "mtp", "ptq", "qat", "release", "verify", "report",
-         "evaluate")
+KINDS = ("teacher", "heads", "prune", "teacher_cache", "recover", "self_text", "mtp", "ptq", "qat", "release", "verify",
+         "report", "evaluate")
 TRAINING = ("recover", "mtp", "qat")
 MODELS = ("prune", "recover", "mtp", "ptq", "qat")  # write an HF artifact, evaluated against the teacher
 NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a stage name is a Slurm job name and a file name
@@ -89,6 +89,18 @@ class TeacherCacheStage(Stage):     # distill.teacher_cache: the teacher's top-k
 
 
 @dataclass
+class SelfTextStage(Stage):         # distill.self_text: a model's own greedy text, what its MTP modules train on
+    input: str = ""                 # the model that writes; default: the last model stage
+    out: str = ""
+    corpus: str = TRAIN_MIX         # the training corpora its prompts come from
+    prompts: int | None = None      # rows; None (here and below): distill.self_text's default
+    prompt_len: int | None = None
+    new_tokens: int | None = None
+    batch_size: int | None = None
+    seed: int | None = None
+
+
+@dataclass
 class TrainStage(Stage):            # recover / mtp / qat (train.launch)
     steps: int = 0
     config: str = ""                # a function of train/config_registry.py
@@ -99,6 +111,7 @@ class TrainStage(Stage):            # recover / mtp / qat (train.launch)
     seq_len: int | None = None
     dtype: str | None = None        # training.mixed_precision_param
     teacher_cache: str | None = None  # an earlier teacher_cache stage: its windows and top-k, no teacher forward
+    source: str | None = None       # training text: an earlier self_text stage or a text source; None: data.train
     evaluate: bool = True
     budget: dict = field(default_factory=dict, init=False)
 
@@ -133,7 +146,7 @@ class InputStage(Stage):            # verify (qat.verify of a release), evaluate
 
 
 TYPES = {"teacher": TeacherStage, "heads": HeadsStage, "prune": PruneStage, "teacher_cache": TeacherCacheStage,
-         "recover": TrainStage,
+         "recover": TrainStage, "self_text": SelfTextStage,
          "mtp": TrainStage, "qat": TrainStage, "ptq": PtqStage, "release": ReleaseStage, "verify": InputStage,
          "evaluate": InputStage, "report": Stage}  # report: eval.report over run_dir/evals
 
@@ -228,7 +241,7 @@ def _budget(recipe: Recipe, st: TrainStage, where: str, registry: dict) -> dict:
     reg = registry.get(st.config, {})
     b = {k: reg.get(k) if getattr(st, k) is None else getattr(st, k)
          for k in ("local_batch", "global_batch", "seq_len", "dtype")}
-    b.update(steps=st.steps, config=st.config, source=recipe.data.train or reg.get("source"),
+    b.update(steps=st.steps, config=st.config, source=st.source or recipe.data.train or reg.get("source"),
              activation_checkpoint=reg.get("activation_checkpoint", False),
              fake_quant=reg.get("fake_quant", False))
     for key in ("local_batch", "seq_len"):
@@ -265,6 +278,38 @@ def _check_cache_reader(recipe: Recipe, st: TrainStage, where: str, outputs: dic
             raise SmeltError(f"{where}.teacher_cache {cache.name!r} holds {key} {getattr(cache, key)}; this "
                              f"stage trains with {mine}")
     b["overrides"] += ["--dataloader.teacher_cache", cache.dst]
+
+
+def _check_self_text(st: SelfTextStage, where: str) -> None:
+    """distill.self_text's own checks, made before anything runs."""
+    if not is_corpus_mix(st.corpus):
+        raise SmeltError(f"{where}.corpus {st.corpus!r}: prompts come from the project's training corpora "
+                         f"(e.g. {TRAIN_MIX})")
+    try:
+        TextSourceConfig(source=st.corpus)  # evaluation text is refused here
+    except SmeltError as e:
+        raise SmeltError(f"{where}.corpus: {e}") from None
+    for key, least in (("prompts", 1), ("prompt_len", 2), ("new_tokens", 1), ("batch_size", 1), ("seed", 0)):
+        if getattr(st, key) is not None and getattr(st, key) < least:
+            raise SmeltError(f"{where}.{key}={getattr(st, key)} must be >= {least}")
+
+
+def _train_source(st: TrainStage, where: str, outputs: dict, later: set) -> str:
+    """A training stage's own text: an earlier self_text stage's file, or a text source checked now."""
+    if st.teacher_cache is not None:
+        raise SmeltError(f"{where}: source and teacher_cache together (a teacher_cache holds data.train's "
+                         f"windows); set one")
+    if outputs.get(st.source, ("",))[0] == "self_text":
+        return str(Path(outputs[st.source][1]) / SELF_TEXT_FILE)
+    if st.source in outputs or st.source in later:
+        what = f"a {outputs[st.source][0]}" if st.source in outputs else "a later"
+        raise SmeltError(f"{where}.source {st.source!r} is {what} stage; a training stage reads an earlier "
+                         f"self_text stage's text or a text source")
+    try:
+        TextSourceConfig(source=st.source)
+    except SmeltError as e:
+        raise SmeltError(f"{where}.source: {e}") from None
+    return st.source
 
 
 def metrics_source(recipe: Recipe, st: ReleaseStage, index: int | None = None) -> str:
@@ -366,7 +411,14 @@ def check(recipe: Recipe, registry: dict) -> None:
             if recipe.data.train is None:
                 raise SmeltError(f"{where} needs data.train (the training text it caches the teacher on)")
             outputs[st.name] = ("teacher_cache", st.dst)
+        if isinstance(st, SelfTextStage):
+            st.dst = str(run / (st.out or st.name))
+            _check_self_text(st, where)
+            outputs[st.name] = ("self_text", st.dst)
         if isinstance(st, TrainStage):
+            if st.source is not None:
+                later = {s.name or s.kind for s in recipe.stages[i + 1:]}
+                st.source = _train_source(st, where, outputs, later)
             st.budget = _budget(recipe, st, where, registry)
             if st.teacher_cache is not None:
                 _check_cache_reader(recipe, st, where, outputs)

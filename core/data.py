@@ -40,6 +40,7 @@ CORPUS_FILES = {"wikitext2-valid": "wikitext2/valid.txt", "wikitext2-test": "wik
 # `news` is off the default evaluation (EvalConfig.windows): ask for it (--windows ...,news=16) or in a recipe.
 BUCKETS = {"en": "wikitext2-test", "zh": "zh", "code": "code", "news": "en-news"}
 TRAIN_CORPORA = ("wikitext2-valid", "code-train", "zh-train")  # what calibration/training may read
+TRAIN_MIX = "+".join(TRAIN_CORPORA)  # every bucket's language: the default mix of training text
 KNOWN_CORPORA = (*CORPUS_FILES, "code", "code-train", *FETCHED)
 
 

@@ -55,6 +55,7 @@ from core.data import (
 )
 from core.errors import SmeltError
 
+SELF_TEXT_FILE = "text.jsonl"  # distill.self_text's rows in its output directory: a source of this kind
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 SAMPLE_BY = ("document", "paragraph", "line")  # what one .txt document is (datasets' text builder)
 PIECE_CHARS = 4000  # project corpora stream as line-aligned pieces of about this many characters

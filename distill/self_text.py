@@ -24,16 +24,16 @@ import torch
 from tqdm import tqdm
 
 from core.artifact import weights_fingerprint, write_manifest
-from core.data import calibration_windows, corpus_record, is_corpus_mix
+from core.data import TRAIN_MIX, calibration_windows, corpus_record, is_corpus_mix
 from core.device import default_device, machine_record
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_dir
+from core.text_source import SELF_TEXT_FILE
 from models.generate import sample
 from models.hf_io import load_hf, load_tokenizer
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 
 STAGE = "self_text"
-TEXT_FILE = "text.jsonl"
 
 
 @torch.no_grad()
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = ArgumentParser(prog="python -m distill.self_text", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="the main model (HF artifact directory) that writes the text")
     ap.add_argument("--teacher", default=DEFAULT_TEACHER, help="tokenizer source when the model has none")
-    ap.add_argument("--corpus", default="wikitext2-valid+code-train+zh-train",
+    ap.add_argument("--corpus", default=TRAIN_MIX,
                     help="training corpora the prompts come from (a '+'-joined mix, split evenly)")
     ap.add_argument("--prompts", type=int, default=512, help="rows to write")
     ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per row (BOS included)")
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     generated = rows.shape[0] * args.new_tokens
     texts = decode_rows(tokenizer, rows, args.prompt_len)
     with atomic_dir(args.out) as tmp:
-        (tmp / TEXT_FILE).write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts),
+        (tmp / SELF_TEXT_FILE).write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts),
                                      encoding="utf-8")
         write_manifest(tmp, stage=STAGE, settings={
             "model": str(args.model), "model_fingerprint": weights_fingerprint(args.model),
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
                                                       *(sys.argv[1:] if argv is None else argv)])},
             metrics={"generated_tokens": generated, "seconds": seconds,
                      "machine": machine_record()})
-    print(f"{args.out}/{TEXT_FILE}: {len(texts)} rows, {generated} generated tokens in {seconds:.0f} s")
+    print(f"{args.out}/{SELF_TEXT_FILE}: {len(texts)} rows, {generated} generated tokens in {seconds:.0f} s")
 
 
 if __name__ == "__main__":

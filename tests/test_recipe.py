@@ -112,6 +112,37 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
     assert not run.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "smollm2-config"]
 
 
+def test_smollm2_mtp_recipe_is_the_default_chain_plus_its_mtp_stages(capsys, tmp_path):
+    """smollm2-cpu-mtp.toml: every stage of the default recipe with the same command (its own run_dir; GPTQ
+    reads the artifact that carries the module), and the four MTP stages on the texts their main models wrote."""
+    smol = tmp_path / "smollm2-config"
+    smol.mkdir()
+    (smol / "config.json").write_text(json.dumps(config_to_hf(FLAVORS["smollm2-135m"])))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _, default = _dry_run(capsys, RECIPES / "smollm2-cpu.toml", tmp_path / "a", "--teacher-config", smol,
+                          "--set", f"run_dir={tmp_path}/run")
+    _, mtp = _dry_run(capsys, RECIPES / "smollm2-cpu-mtp.toml", tmp_path / "b", "--teacher-config", smol,
+                      "--set", f"run_dir={tmp_path}/run")
+    base, stages = {s["name"]: s for s in default["stages"]}, {s["name"]: s for s in mtp["stages"]}
+    assert list(stages) == ["teacher", "heads", "prune", "recover", "self-text", "mtp", "quantize", "qat",
+                            "qat-text", "realign", "release", "verify", "report"]
+    run = f"{tmp_path}/run"
+    moved = {"quantize": (f"--artifact {run}/recovered-2of4", f"--artifact {run}/mtp-2of4"),
+             "release": (f"--artifact {run}/qat-2of4 ", f"--artifact {run}/qat-2of4-mtp ")}
+    for name, want in base.items():
+        old, new = moved.get(name, ("", ""))
+        assert [c.replace(old, new) for c in want["commands"]] == stages[name]["commands"], name
+        assert want["evaluation"] == stages[name]["evaluation"], name
+    assert stages["self-text"]["tokens"] == 640 * 224 and stages["qat-text"]["tokens"] == 1920 * 224
+    assert stages["mtp"]["commands"][0].endswith(f"--dataloader.source {run}/self-text/text.jsonl")
+    assert f"--student {run}/qat-2of4 " in stages["realign"]["commands"][0]
+    assert stages["realign"]["commands"][0].endswith(f"--dataloader.source {run}/qat-text/text.jsonl")
+    assert stages["mtp"]["evaluation"] is None and stages["realign"]["evaluation"] is None
+    # the release keeps the QAT'd main model's evaluation (the realign stage trains only the module)
+    assert stages["release"]["commands"][0].endswith(f"--metrics {run}/evals/qat-2of4.json")
+
+
 def test_llama_8b_plan_shapes_parallelism_and_memory(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("SMELT_RDZV_ENDPOINT", "node0:29500")
     monkeypatch.setenv("SMELT_LAUNCH_PREFIX", "srun --nodes=2 task.sh")
@@ -148,6 +179,15 @@ def test_debug_plan_reads_the_teacher_dir_and_counts_parameters_exactly(capsys, 
     assert "--config debug_mtp --student" in mtp["commands"][0] and mtp["input"].endswith("recovered-2of4")
     stages = {s["name"]: s for s in plan["stages"]}
     assert stages["quantize"]["input"].endswith("mtp-2of4")
+    # each MTP stage trains on the text its own main model wrote (a self_text stage before it)
+    assert stages["self-text"]["commands"] == [(
+        f"python -m distill.self_text --model {tmp_path}/run/recovered-2of4 --teacher {tiny_model_dir} --corpus "
+        f"wikitext2-valid+code-train --prompts 8 --prompt-len 16 --new-tokens 48 --batch-size 8 --out "
+        f"{tmp_path}/run/self-text")]
+    assert stages["self-text"]["tokens"] == 8 * 48 and stages["self-text"]["evaluation"] is None
+    assert mtp["commands"][0].endswith(f"--dataloader.source {tmp_path}/run/self-text/text.jsonl")
+    assert stages["qat-text"]["input"].endswith("qat-2of4") and "--seed 1" in stages["qat-text"]["commands"][0]
+    assert stages["realign"]["commands"][0].endswith(f"--dataloader.source {tmp_path}/run/qat-text/text.jsonl")
     # the release packs the re-aligned artifact and keeps the evaluation of the QAT'd main model under it
     assert stages["release"]["commands"][0].endswith(
         f"--artifact {tmp_path}/run/qat-2of4-mtp --out {tmp_path}/run/release --dtype bfloat16 --sparse-storage mask "
@@ -286,6 +326,48 @@ def test_debug_prune_stage_runs_then_skips(capfd, tmp_path, tiny_model_dir):
     assert sum(int(v.sum()) for k, v in dense.items() if k.endswith("wq")) == 16 * len(heads["protected"]) > 0
     assert _run(*argv) == 0 and f"skip: {pruned} exists" in capfd.readouterr().out
     assert sorted(p.name for p in run.iterdir()) == ["heads.json", "heads.png", "pruned-2of4"]
+
+
+def test_a_self_text_stage_runs_skips_and_feeds_an_mtp_stage(capfd, tmp_path, tiny_model_dir):
+    """The debug recipe's self-text stage on the tiny teacher: the model's own text, then an MTP stage (one
+    rank) trained on it, its manifest naming that file."""
+    run = tmp_path / "run"
+    base = [RECIPES / "debug.toml", "--set", f"teacher={tiny_model_dir}", "--set", f"run_dir={run}",
+            "--set", "parallelism.nproc=1"]
+    text = [*base, "--stage", "self-text", "--set", f"stages.self-text.input={tiny_model_dir}"]
+    assert _run(*text) == 0, capfd.readouterr().err[-2000:]
+    rows = (run / "self-text" / "text.jsonl").read_text().splitlines()
+    manifest = json.loads((run / "self-text" / "manifest.json").read_text())
+    assert len(rows) == 8 and manifest["stage"] == "self_text" and manifest["settings"]["model"] == str(tiny_model_dir)
+    assert manifest["metrics"]["generated_tokens"] == 8 * 48
+    assert _run(*text) == 0 and f"skip: {run}/self-text exists" in capfd.readouterr().out
+    code = _run(*base, "--stage", "mtp", "--set", f"stages.mtp.input={tiny_model_dir}")
+    assert code == 0, capfd.readouterr().err[-3000:]
+    trained = json.loads((run / "mtp-2of4" / "manifest.json").read_text())
+    assert trained["settings"]["data"]["source"] == str(run / "self-text" / "text.jsonl")
+    assert (run / "mtp-2of4" / "mtp.safetensors").is_file()
+
+
+SELF_TEXT_BAD = [
+    (["--set", "stages.mtp.source=prune"], "stages[5].source 'prune' is a prune stage"),
+    (["--set", "stages.mtp.source=qat-text"], "stages[5].source 'qat-text' is a later stage"),
+    (["--set", "stages.mtp.source=/no/such.jsonl"], "stages[5].source: --dataloader.source: path /no/such.jsonl"),
+    (["--set", "stages.mtp.teacher_cache=cache"], "stages[5]: source and teacher_cache together"),
+    (["--set", "stages.self-text.corpus=wikitext2-test"], "stages[4].corpus: --dataloader.source: training corpus"),
+    (["--set", "stages.self-text.corpus=/tmp/text.jsonl"], "stages[4].corpus '/tmp/text.jsonl': prompts come from"),
+    (["--set", "stages.self-text.prompt_len=1"], "stages[4].prompt_len=1 must be >= 2"),
+    (["--set", "stages.self-text.prompts=0"], "stages[4].prompts=0 must be >= 1"),
+    (["--set", "stages.self-text.needle=true"], "stages[4].needle: a self_text stage is not evaluated"),
+    (["--set", "stages.self-text.temperature=1"], "stages[4].temperature"),
+]
+
+
+@pytest.mark.parametrize("args,message", SELF_TEXT_BAD, ids=[m for _, m in SELF_TEXT_BAD])
+def test_self_text_and_source_bad_input_is_one_line(capsys, tmp_path, args, message):
+    code, out, err = _cli(capsys, RECIPES / "debug.toml", "--dry-run", "--set", f"run_dir={tmp_path / 'run'}", *args)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], err
+    assert out == "" and list(tmp_path.iterdir()) == []
 
 
 def test_missing_input_is_one_line_at_run_time(capsys, tmp_path, tiny_model_dir):
