@@ -66,7 +66,7 @@ def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
     t, par, calib = recipe.teacher, recipe.parallelism, recipe.data.calibration
     if st.kind == "teacher":
         sources = [calib or ""] + [s.budget["source"] or "" for s in recipe.stages if isinstance(s, TrainStage)]
-        sources += [s.corpus for s in recipe.stages if isinstance(s, SelfTextStage)]
+        sources += [s.settings.corpus for s in recipe.stages if isinstance(s, SelfTextStage)]
         fetch = ["zh-train"] if any("zh-train" in s.split("+") for s in sources) else []
         fetch += ["en-news"] if "news" in (recipe.eval or {}).get("windows", {}) else []
         # fetched once, before any rank (or evaluation) reads them
@@ -88,10 +88,10 @@ def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
                  "--ranks", str(recipe.dp), "--local-batch", str(st.local_batch), "--dtype", st.dtype,
                  "--out", st.dst]]
     if st.kind == "self_text":
-        return [[PY, "-m", "distill.self_text", "--model", st.src, "--teacher", t, "--corpus", st.corpus,
+        return [[PY, "-m", "distill.self_text", "--model", st.src, "--teacher", t, *_opt("--corpus", st.corpus),
                  *_opt("--prompts", st.prompts), *_opt("--prompt-len", st.prompt_len),
                  *_opt("--new-tokens", st.new_tokens), *_opt("--batch-size", st.batch_size),
-                 *_opt("--seed", st.seed), "--out", st.dst]]
+                 *_opt("--temperature", st.temperature), *_opt("--seed", st.seed), "--out", st.dst]]
     if st.kind in TRAINING:
         launch = [*shlex.split(env.get("SMELT_LAUNCH_PREFIX", "")), PY, "-m", "train.launch", "--nproc",
                   str(par.nproc)]
@@ -152,9 +152,10 @@ def plan(recipe: Recipe, shape, env: dict, only: str | None = None) -> dict:
         if isinstance(st, (PruneStage, PtqStage)):
             w, n = st.calib_windows or CalibConfig.n_windows, st.calib_seq_len or CalibConfig.seq_len
             entry.update(tokens=w * n, tokens_formula=f"calibration {w} windows x {n}")
-        if isinstance(st, SelfTextStage) and st.prompts and st.new_tokens:
-            entry.update(tokens=st.prompts * st.new_tokens,
-                         tokens_formula=f"written: {st.prompts} prompts x {st.new_tokens} new tokens")
+        if isinstance(st, SelfTextStage):
+            t = st.settings
+            entry.update(tokens=t.generated_tokens,
+                         tokens_formula=f"written: {t.prompts} prompts x {t.new_tokens} new tokens")
         if isinstance(st, TrainStage):
             b = entry["budget"] = {k: v for k, v in st.budget.items() if k != "overrides"}
             entry.update(tokens=b["steps"] * b["global_batch"] * b["seq_len"],
@@ -211,9 +212,10 @@ def run_stage(recipe: Recipe, st: Stage, env: dict) -> None:
     if st.kind not in ("teacher", "verify", "report") and Path(st.dst).exists():
         print(f"skip: {st.dst} exists", flush=True)
     else:
-        if st.src and st.src != recipe.teacher and not Path(st.src).exists():
-            raise SmeltError(f"stage {st.name}: input {st.src} does not exist (run the stage that writes "
-                             f"it first)")
+        for need in (st.src, getattr(st, "reads", "")):
+            if need and need != recipe.teacher and not Path(need).exists():
+                raise SmeltError(f"stage {st.name}: input {need} does not exist (run the stage that writes "
+                                 f"it first)")
         src = metrics_source(recipe, st) if isinstance(st, ReleaseStage) and st.metrics else None
         if src is not None and not Path(recipe.evals(src)).is_file():
             raise SmeltError(f"stage {st.name}: {recipe.evals(src)} does not exist (evaluate {src} first)")

@@ -14,7 +14,7 @@ from pathlib import Path
 from configs.memory import read_registry
 from configs.schema import build, read_toml
 from core.calibrate import FORWARD_DTYPES, CalibConfig
-from core.data import TRAIN_MIX, EvalConfig, is_corpus_mix
+from core.data import EvalConfig, SelfTextConfig
 from core.errors import SmeltError
 from core.patterns import NMPattern
 from core.text_source import SELF_TEXT_FILE, TextSourceConfig
@@ -92,12 +92,14 @@ class TeacherCacheStage(Stage):     # distill.teacher_cache: the teacher's top-k
 class SelfTextStage(Stage):         # distill.self_text: a model's own greedy text, what its MTP modules train on
     input: str = ""                 # the model that writes; default: the last model stage
     out: str = ""
-    corpus: str = TRAIN_MIX         # the training corpora its prompts come from
-    prompts: int | None = None      # rows; None (here and below): distill.self_text's default
+    corpus: str | None = None       # the prompts' training corpora; None (here and below): core.data.SelfTextConfig's
+    prompts: int | None = None
     prompt_len: int | None = None
     new_tokens: int | None = None
     batch_size: int | None = None
+    temperature: float | None = None
     seed: int | None = None
+    settings: SelfTextConfig | None = field(default=None, init=False)  # checked, defaults filled (check)
 
 
 @dataclass
@@ -113,6 +115,7 @@ class TrainStage(Stage):            # recover / mtp / qat (train.launch)
     teacher_cache: str | None = None  # an earlier teacher_cache stage: its windows and top-k, no teacher forward
     source: str | None = None       # training text: an earlier self_text stage or a text source; None: data.train
     evaluate: bool = True
+    reads: str = field(default="", init=False)  # the self_text file an earlier stage writes (source)
     budget: dict = field(default_factory=dict, init=False)
 
 
@@ -280,29 +283,22 @@ def _check_cache_reader(recipe: Recipe, st: TrainStage, where: str, outputs: dic
     b["overrides"] += ["--dataloader.teacher_cache", cache.dst]
 
 
-def _check_self_text(st: SelfTextStage, where: str) -> None:
-    """distill.self_text's own checks, made before anything runs."""
-    if not is_corpus_mix(st.corpus):
-        raise SmeltError(f"{where}.corpus {st.corpus!r}: prompts come from the project's training corpora "
-                         f"(e.g. {TRAIN_MIX})")
-    try:
-        TextSourceConfig(source=st.corpus)  # evaluation text is refused here
-    except SmeltError as e:
-        raise SmeltError(f"{where}.corpus: {e}") from None
-    for key, least in (("prompts", 1), ("prompt_len", 2), ("new_tokens", 1), ("batch_size", 1), ("seed", 0)):
-        if getattr(st, key) is not None and getattr(st, key) < least:
-            raise SmeltError(f"{where}.{key}={getattr(st, key)} must be >= {least}")
+def _self_text_settings(st: SelfTextStage, where: str) -> SelfTextConfig:
+    keys = ("corpus", "prompts", "prompt_len", "new_tokens", "batch_size", "temperature", "seed")
+    return SelfTextConfig(**{k: getattr(st, k) for k in keys if getattr(st, k) is not None}, flag=f"{where}.")
 
 
-def _train_source(st: TrainStage, where: str, outputs: dict, later: set) -> str:
+def _train_source(st: TrainStage, where: str, outputs: dict, stages: dict) -> str:
     """A training stage's own text: an earlier self_text stage's file, or a text source checked now."""
     if st.teacher_cache is not None:
         raise SmeltError(f"{where}: source and teacher_cache together (a teacher_cache holds data.train's "
                          f"windows); set one")
     if outputs.get(st.source, ("",))[0] == "self_text":
-        return str(Path(outputs[st.source][1]) / SELF_TEXT_FILE)
-    if st.source in outputs or st.source in later:
-        what = f"a {outputs[st.source][0]}" if st.source in outputs else "a later"
+        st.reads = str(Path(outputs[st.source][1]) / SELF_TEXT_FILE)
+        return st.reads
+    if st.source in stages:
+        index, kind = stages[st.source]
+        what = "this" if st.source == st.name else "a later" if index > stages[st.name][0] else f"a {kind}"
         raise SmeltError(f"{where}.source {st.source!r} is {what} stage; a training stage reads an earlier "
                          f"self_text stage's text or a text source")
     try:
@@ -348,6 +344,7 @@ def check(recipe: Recipe, registry: dict) -> None:
     run, names = Path(recipe.run_dir), set()
     outputs = {"teacher": ("teacher", recipe.teacher)}  # name -> (kind, path) of what later stages read
     last = {"model": None, "release": None}
+    written = {}  # output path -> the stage that writes it
     for i, st in enumerate(recipe.stages):
         where = f"stages[{i}]"
         st.name = st.name or st.kind
@@ -413,12 +410,11 @@ def check(recipe: Recipe, registry: dict) -> None:
             outputs[st.name] = ("teacher_cache", st.dst)
         if isinstance(st, SelfTextStage):
             st.dst = str(run / (st.out or st.name))
-            _check_self_text(st, where)
+            st.settings = _self_text_settings(st, where)
             outputs[st.name] = ("self_text", st.dst)
         if isinstance(st, TrainStage):
             if st.source is not None:
-                later = {s.name or s.kind for s in recipe.stages[i + 1:]}
-                st.source = _train_source(st, where, outputs, later)
+                st.source = _train_source(st, where, outputs, {s.name or s.kind: (j, s.kind) for j, s in enumerate(recipe.stages)})
             st.budget = _budget(recipe, st, where, registry)
             if st.teacher_cache is not None:
                 _check_cache_reader(recipe, st, where, outputs)
@@ -430,5 +426,9 @@ def check(recipe: Recipe, registry: dict) -> None:
         if st.kind in MODELS or st.kind == "release":
             outputs[st.name] = (st.kind, st.dst)
             last["model" if st.kind in MODELS else "release"] = st.name
+        if st.dst and st.kind != "teacher":  # else the later stage is skipped as if done, over another's output
+            if st.dst in written:
+                raise SmeltError(f"{where}.out: {st.dst} is stage {written[st.dst]!r}'s output too")
+            written[st.dst] = st.name
 
 

@@ -139,6 +139,47 @@ def split_corpora(corpus: str, what: str = "training") -> list[str]:
     return names
 
 
+@dataclass
+class SelfTextConfig:
+    """distill.self_text's settings: `prompts` windows of training corpora (calibration_windows), each continued
+    by `new_tokens` tokens, `batch_size` rows at a time; temperature 0 is greedy. Checked once here for the CLI
+    and for a recipe's self_text stage; `flag` is how an error names a field: "--" (the CLI's flags) or a
+    recipe key's prefix ("stages[4].")."""
+    corpus: str = TRAIN_MIX
+    prompts: int = 512
+    prompt_len: int = 32
+    new_tokens: int = 224
+    batch_size: int = 32
+    temperature: float = 0.0
+    seed: int = 0
+    flag: str = "--"
+
+    def field_name(self, key: str) -> str:
+        return f"--{key.replace('_', '-')}" if self.flag == "--" else f"{self.flag}{key}"
+
+    def __post_init__(self):
+        for key, least in (("prompts", 1), ("prompt_len", 2), ("new_tokens", 1), ("batch_size", 1)):
+            if getattr(self, key) < least:
+                raise SmeltError(f"{self.field_name(key)}={getattr(self, key)} must be >= {least}"
+                                 + " (BOS and at least one token)" * (key == "prompt_len"))
+        if not self.temperature >= 0:
+            raise SmeltError(f"{self.field_name('temperature')}={self.temperature} must be >= 0 (0 = greedy)")
+        if not is_corpus_mix(self.corpus):
+            raise SmeltError(f"{self.field_name('corpus')} {self.corpus!r}: prompts come from the project's "
+                             f"training corpora (e.g. {TRAIN_MIX})")
+        try:
+            names = split_corpora(self.corpus)
+        except SmeltError as e:
+            raise SmeltError(f"{self.field_name('corpus')}: {e}") from None
+        if self.prompts < len(names):
+            raise SmeltError(f"{self.field_name('prompts')}={self.prompts} is fewer than the {len(names)} corpora "
+                             f"in {self.corpus!r}: each needs a prompt")
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.prompts * self.new_tokens
+
+
 def calibration_windows(tokenizer, n: int, seq_len: int, seed: int = 0,
                         corpus: str = "wikitext2-valid") -> torch.Tensor:
     """[n, seq_len] windows at seeded random offsets of a training corpus, BOS first.

@@ -30,6 +30,7 @@ tensors, because DCP loads tensors in place, which needs the saved shape, and th
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -123,6 +124,8 @@ class TextSourceConfig:
     def _local(self, path: Path) -> tuple[str, list[Path]]:
         if not path.exists():
             self.fail("source", f"path {path} does not exist")
+        if path.is_dir() and _is_self_text_dir(path):  # its text, not its manifest.json beside it
+            path = path / SELF_TEXT_FILE
         if path.is_file():
             if path.suffix not in BUILDERS:
                 self.fail("source", f"{path}: unsupported file type (use {', '.join(BUILDERS)})")
@@ -148,6 +151,15 @@ class TextSourceConfig:
         if kind == "text" and self.text_field != "text":
             self.fail("text_field", f"{self.text_field!r}: .txt files have one field, 'text'")
         return kind, files
+
+
+def _is_self_text_dir(path: Path) -> bool:
+    """Whether a folder is distill.self_text's output (its manifest says so)."""
+    try:
+        manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("stage") == "self_text" and (path / SELF_TEXT_FILE).is_file()
 
 
 def _pieces(text: str) -> list[str]:

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from core.artifact import weights_fingerprint, write_manifest
-from core.data import TRAIN_MIX, calibration_windows, corpus_record, is_corpus_mix
+from core.data import SelfTextConfig, calibration_windows, corpus_record
 from core.device import default_device, machine_record
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_dir
@@ -64,25 +64,19 @@ def main(argv: list[str] | None = None) -> None:
     ap = ArgumentParser(prog="python -m distill.self_text", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="the main model (HF artifact directory) that writes the text")
     ap.add_argument("--teacher", default=DEFAULT_TEACHER, help="tokenizer source when the model has none")
-    ap.add_argument("--corpus", default=TRAIN_MIX,
+    d = SelfTextConfig  # the defaults and the checks (core.data)
+    ap.add_argument("--corpus", default=d.corpus,
                     help="training corpora the prompts come from (a '+'-joined mix, split evenly)")
-    ap.add_argument("--prompts", type=int, default=512, help="rows to write")
-    ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per row (BOS included)")
-    ap.add_argument("--new-tokens", type=int, default=224, help="tokens the model writes per row")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default), else sampled")
-    ap.add_argument("--seed", type=int, default=0, help="prompt offsets and sampling")
-    ap.add_argument("--batch-size", type=int, default=32, help="rows continued together")
+    ap.add_argument("--prompts", type=int, default=d.prompts, help="rows to write")
+    ap.add_argument("--prompt-len", type=int, default=d.prompt_len, help="prompt tokens per row (BOS included)")
+    ap.add_argument("--new-tokens", type=int, default=d.new_tokens, help="tokens the model writes per row")
+    ap.add_argument("--temperature", type=float, default=d.temperature, help="0: greedy (default), else sampled")
+    ap.add_argument("--seed", type=int, default=d.seed, help="prompt offsets and sampling")
+    ap.add_argument("--batch-size", type=int, default=d.batch_size, help="rows continued together")
     ap.add_argument("--out", required=True, help="output directory (text.jsonl + manifest.json; must not exist)")
     args = ap.parse_args(argv)
-    for name in ("prompts", "new_tokens", "batch_size"):
-        if getattr(args, name) < 1:
-            raise SmeltError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
-    if args.prompt_len < 2:
-        raise SmeltError(f"--prompt-len={args.prompt_len} must be >= 2 (BOS and at least one token)")
-    if not args.temperature >= 0:
-        raise SmeltError(f"--temperature={args.temperature} must be >= 0 (0 = greedy)")
-    if not is_corpus_mix(args.corpus):
-        raise SmeltError(f"--corpus {args.corpus!r}: prompts come from the project's training corpora")
+    SelfTextConfig(corpus=args.corpus, prompts=args.prompts, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                   batch_size=args.batch_size, temperature=args.temperature, seed=args.seed)
     if Path(args.out).exists():
         raise SmeltError(f"--out {args.out} already exists; remove it first")
     model = load_hf(args.model, device=str(default_device())).eval()

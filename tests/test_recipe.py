@@ -353,12 +353,17 @@ SELF_TEXT_BAD = [
     (["--set", "stages.mtp.source=qat-text"], "stages[5].source 'qat-text' is a later stage"),
     (["--set", "stages.mtp.source=/no/such.jsonl"], "stages[5].source: --dataloader.source: path /no/such.jsonl"),
     (["--set", "stages.mtp.teacher_cache=cache"], "stages[5]: source and teacher_cache together"),
-    (["--set", "stages.self-text.corpus=wikitext2-test"], "stages[4].corpus: --dataloader.source: training corpus"),
+    (["--set", "stages.mtp.source=mtp"], "stages[5].source 'mtp' is this stage"),
+    (["--set", "stages.realign.source=verify"], "stages[9].source 'verify' is a later stage"),
+    (["--set", "stages.realign.source=heads"], "stages[9].source 'heads' is a heads stage"),
+    (["--set", "stages.self-text.out=recovered-2of4"], "stages[4].out: {run}/recovered-2of4 is stage 'recover''s output"),
+    (["--set", "stages.self-text.corpus=wikitext2-test"], "stages[4].corpus: training corpus 'wikitext2-test' is not"),
+    (["--set", "stages.self-text.prompts=1"], "stages[4].prompts=1 is fewer than the 2 corpora"),
+    (["--set", "stages.self-text.temperature=-1.0"], "stages[4].temperature=-1.0 must be >= 0"),
     (["--set", "stages.self-text.corpus=/tmp/text.jsonl"], "stages[4].corpus '/tmp/text.jsonl': prompts come from"),
-    (["--set", "stages.self-text.prompt_len=1"], "stages[4].prompt_len=1 must be >= 2"),
+    (["--set", "stages.self-text.prompt_len=1"], "stages[4].prompt_len=1 must be >= 2 (BOS and at least one"),
     (["--set", "stages.self-text.prompts=0"], "stages[4].prompts=0 must be >= 1"),
     (["--set", "stages.self-text.needle=true"], "stages[4].needle: a self_text stage is not evaluated"),
-    (["--set", "stages.self-text.temperature=1"], "stages[4].temperature"),
 ]
 
 
@@ -366,6 +371,7 @@ SELF_TEXT_BAD = [
 def test_self_text_and_source_bad_input_is_one_line(capsys, tmp_path, args, message):
     code, out, err = _cli(capsys, RECIPES / "debug.toml", "--dry-run", "--set", f"run_dir={tmp_path / 'run'}", *args)
     lines = err.strip().splitlines()
+    message = message.replace("{run}", str(tmp_path / "run"))
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], err
     assert out == "" and list(tmp_path.iterdir()) == []
 
@@ -375,6 +381,9 @@ def test_missing_input_is_one_line_at_run_time(capsys, tmp_path, tiny_model_dir)
     base = [RECIPES / "debug.toml", "--set", f"teacher={tiny_model_dir}", "--set", f"run_dir={run}"]
     code, _, err = _cli(capsys, *base, "--stage", "recover")
     assert code == 2 and f"input {run}/pruned-2of4 does not exist" in err and err.count("\n") == 1
+    # an MTP stage whose main model exists but whose text (the self-text stage's) was never written
+    code, _, err = _cli(capsys, *base, "--stage", "mtp", "--set", f"stages.mtp.input={tiny_model_dir}")
+    assert code == 2 and f"input {run}/self-text/text.jsonl does not exist" in err and err.count("\n") == 1
     assert not run.exists()
 
 

@@ -318,9 +318,13 @@ def test_self_text_is_the_models_own_greedy_continuation_of_training_prompts(tin
         new = new[:new.index(tok.eos_token_id)] if tok.eos_token_id in new else new
         assert text == tok.decode(row[:12] + new, skip_special_tokens=True)
     assert TextSourceConfig(source=str(out / "text.jsonl")).resolve()[0] == "json"
+    # the output folder as a source is its text (not its manifest.json)
+    assert TextSourceConfig(source=str(out)).resolve() == ("json", [out / "text.jsonl"])
     for bad, msg in ((["--prompt-len", "1"], "--prompt-len=1 must be >= 2"),
                      (["--new-tokens", "600"], "exceeds the model's max_seq_len=512"),
-                     (["--corpus", "wikitext2-test"], "evaluation text must never be")):
+                     (["--corpus", "wikitext2-test"], "evaluation text must never be"),
+                     (["--corpus", "wikitext2-valid+code-train", "--prompts", "1"], "--prompts=1 is fewer than the 2"),
+                     (["--temperature", "-1"], "--temperature=-1.0 must be >= 0")):
         with pytest.raises(SystemExit):
             run_cli(lambda b=bad: main(["--model", str(tiny_model_dir), "--out", str(tmp_path / "bad"), *b]))
         assert msg in capsys.readouterr().err and not (tmp_path / "bad").exists()
