@@ -237,15 +237,6 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("args,message", BAD, ids=[m for _, m in BAD])
-def test_bad_input_is_one_line_and_writes_nothing(capsys, tmp_path, args, message):
-    code, out, err = _cli(capsys, RECIPES / "smollm2-cpu.toml", "--dry-run" if "--json" not in args else "",
-                          "--set", f"run_dir={tmp_path / 'run'}", *args)
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], err
-    assert out == "" and list(tmp_path.iterdir()) == []
-
-
 def test_unknown_kind_in_a_file_and_env_budgets(capsys, tmp_path, monkeypatch):
     bad = tmp_path / "bad.toml"
     bad.write_text('name = "x"\nteacher = "smollm2-135m"\nrun_dir = "r"\n[[stages]]\nkind = "distil"\n')
@@ -367,9 +358,13 @@ SELF_TEXT_BAD = [
 ]
 
 
-@pytest.mark.parametrize("args,message", SELF_TEXT_BAD, ids=[m for _, m in SELF_TEXT_BAD])
-def test_self_text_and_source_bad_input_is_one_line(capsys, tmp_path, args, message):
-    code, out, err = _cli(capsys, RECIPES / "debug.toml", "--dry-run", "--set", f"run_dir={tmp_path / 'run'}", *args)
+BAD_CASES = [("smollm2-cpu.toml", *case) for case in BAD] + [("debug.toml", *case) for case in SELF_TEXT_BAD]
+
+
+@pytest.mark.parametrize("recipe,args,message", BAD_CASES, ids=[m for *_, m in BAD_CASES])
+def test_bad_input_is_one_line_and_writes_nothing(capsys, tmp_path, recipe, args, message):
+    code, out, err = _cli(capsys, RECIPES / recipe, "--dry-run" if "--json" not in args else "",
+                          "--set", f"run_dir={tmp_path / 'run'}", *args)
     lines = err.strip().splitlines()
     message = message.replace("{run}", str(tmp_path / "run"))
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], err
