@@ -345,6 +345,7 @@ def check(recipe: Recipe, registry: dict) -> None:
     outputs = {"teacher": ("teacher", recipe.teacher)}  # name -> (kind, path) of what later stages read
     last = {"model": None, "release": None}
     written = {}  # output path -> the stage that writes it
+    positions = {s.name or s.kind: (j, s.kind) for j, s in enumerate(recipe.stages)}  # what a `source` may name
     for i, st in enumerate(recipe.stages):
         where = f"stages[{i}]"
         st.name = st.name or st.kind
@@ -414,7 +415,7 @@ def check(recipe: Recipe, registry: dict) -> None:
             outputs[st.name] = ("self_text", st.dst)
         if isinstance(st, TrainStage):
             if st.source is not None:
-                st.source = _train_source(st, where, outputs, {s.name or s.kind: (j, s.kind) for j, s in enumerate(recipe.stages)})
+                st.source = _train_source(st, where, outputs, positions)
             st.budget = _budget(recipe, st, where, registry)
             if st.teacher_cache is not None:
                 _check_cache_reader(recipe, st, where, outputs)

@@ -30,7 +30,6 @@ tensors, because DCP loads tensors in place, which needs the saved shape, and th
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ import numpy as np
 import torch
 from datasets.distributed import split_dataset_by_node
 
+from core.artifact import read_manifest
 from core.data import (
     BUCKETS,
     CODE_DIR,
@@ -155,11 +155,12 @@ class TextSourceConfig:
 
 def _is_self_text_dir(path: Path) -> bool:
     """Whether a folder is distill.self_text's output (its manifest says so)."""
-    try:
-        manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    if not (path / "manifest.json").is_file() or not (path / SELF_TEXT_FILE).is_file():
         return False
-    return isinstance(manifest, dict) and manifest.get("stage") == "self_text" and (path / SELF_TEXT_FILE).is_file()
+    try:
+        return read_manifest(path)["stage"] == "self_text"
+    except SmeltError:  # not a smelt manifest: an ordinary folder of files
+        return False
 
 
 def _pieces(text: str) -> list[str]:

@@ -75,8 +75,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-size", type=int, default=d.batch_size, help="rows continued together")
     ap.add_argument("--out", required=True, help="output directory (text.jsonl + manifest.json; must not exist)")
     args = ap.parse_args(argv)
-    SelfTextConfig(corpus=args.corpus, prompts=args.prompts, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                   batch_size=args.batch_size, temperature=args.temperature, seed=args.seed)
+    cfg = SelfTextConfig(corpus=args.corpus, prompts=args.prompts, prompt_len=args.prompt_len,
+                         new_tokens=args.new_tokens, batch_size=args.batch_size, temperature=args.temperature,
+                         seed=args.seed)
     if Path(args.out).exists():
         raise SmeltError(f"--out {args.out} already exists; remove it first")
     model = load_hf(args.model, device=str(default_device())).eval()
@@ -89,11 +90,11 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     rows = continue_prompts(model, prompts, args.new_tokens, args.temperature, args.batch_size, args.seed)
     seconds = time.perf_counter() - t0
-    generated = rows.shape[0] * args.new_tokens
+    generated = cfg.generated_tokens
     texts = decode_rows(tokenizer, rows, args.prompt_len)
     with atomic_dir(args.out) as tmp:
-        (tmp / SELF_TEXT_FILE).write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts),
-                                     encoding="utf-8")
+        (tmp / SELF_TEXT_FILE).write_text(
+            "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts), encoding="utf-8")
         write_manifest(tmp, stage=STAGE, settings={
             "model": str(args.model), "model_fingerprint": weights_fingerprint(args.model),
             "corpus": args.corpus, "corpora": corpus_record(args.corpus), "prompts": args.prompts,
