@@ -134,7 +134,7 @@ def test_smollm2_mtp_recipe_is_the_default_chain_plus_its_mtp_stages(capsys, tmp
         old, new = moved.get(name, ("", ""))
         assert [c.replace(old, new) for c in want["commands"]] == stages[name]["commands"], name
         assert want["evaluation"] == stages[name]["evaluation"], name
-    assert stages["self-text"]["tokens"] == 640 * 224 and stages["qat-text"]["tokens"] == 1920 * 224
+    assert stages["self-text"]["tokens"] == 640 * 224 and stages["qat-text"]["tokens"] == 5120 * 224
     assert stages["mtp"]["commands"][0].endswith(f"--dataloader.source {run}/self-text/text.jsonl")
     assert f"--student {run}/qat-2of4 " in stages["realign"]["commands"][0]
     assert stages["realign"]["commands"][0].endswith(f"--dataloader.source {run}/qat-text/text.jsonl")
