@@ -81,29 +81,29 @@ def main(argv: list[str] | None = None) -> None:
     if Path(args.out).exists():
         raise SmeltError(f"--out {args.out} already exists; remove it first")
     model = load_hf(args.model, device=str(default_device())).eval()
-    if args.prompt_len + args.new_tokens > model.cfg.max_seq_len:
-        raise SmeltError(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} exceeds the model's "
+    if cfg.prompt_len + cfg.new_tokens > model.cfg.max_seq_len:
+        raise SmeltError(f"--prompt-len {cfg.prompt_len} + --new-tokens {cfg.new_tokens} exceeds the model's "
                          f"max_seq_len={model.cfg.max_seq_len}")
     tok_dir = args.model if (Path(args.model) / "tokenizer.json").is_file() else resolve_teacher(args.teacher)
     tokenizer = load_tokenizer(tok_dir)
-    prompts = calibration_windows(tokenizer, args.prompts, args.prompt_len, args.seed, args.corpus)
+    prompts = calibration_windows(tokenizer, cfg.prompts, cfg.prompt_len, cfg.seed, cfg.corpus)
     t0 = time.perf_counter()
-    rows = continue_prompts(model, prompts, args.new_tokens, args.temperature, args.batch_size, args.seed)
+    rows = continue_prompts(model, prompts, cfg.new_tokens, cfg.temperature, cfg.batch_size, cfg.seed)
     seconds = time.perf_counter() - t0
-    generated = cfg.generated_tokens
-    texts = decode_rows(tokenizer, rows, args.prompt_len)
+    texts = decode_rows(tokenizer, rows, cfg.prompt_len)
     with atomic_dir(args.out) as tmp:
         (tmp / SELF_TEXT_FILE).write_text(
             "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts), encoding="utf-8")
         write_manifest(tmp, stage=STAGE, settings={
             "model": str(args.model), "model_fingerprint": weights_fingerprint(args.model),
-            "corpus": args.corpus, "corpora": corpus_record(args.corpus), "prompts": args.prompts,
-            "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "temperature": args.temperature,
-            "seed": args.seed, "command": shlex.join(["python", "-m", "distill.self_text",
+            "corpus": cfg.corpus, "corpora": corpus_record(cfg.corpus), "prompts": cfg.prompts,
+            "prompt_len": cfg.prompt_len, "new_tokens": cfg.new_tokens, "temperature": cfg.temperature,
+            "seed": cfg.seed, "command": shlex.join(["python", "-m", "distill.self_text",
                                                       *(sys.argv[1:] if argv is None else argv)])},
-            metrics={"generated_tokens": generated, "seconds": seconds,
+            metrics={"generated_tokens": cfg.generated_tokens, "seconds": seconds,
                      "machine": machine_record()})
-    print(f"{args.out}/{SELF_TEXT_FILE}: {len(texts)} rows, {generated} generated tokens in {seconds:.0f} s")
+    print(f"{args.out}/{SELF_TEXT_FILE}: {len(texts)} rows, {cfg.generated_tokens} generated tokens in "
+          f"{seconds:.0f} s")
 
 
 if __name__ == "__main__":
