@@ -19,6 +19,7 @@ position i were computed from token i + k, so they survive while that token was 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,21 @@ def acceptance_summary(accepted: list[int], gamma: int) -> dict:
     return {"rounds": len(accepted), "alpha_first": alpha, "mean_accepted": sum(accepted) / n,
             "tokens_per_forward": 1 + sum(accepted) / n, "gamma": gamma,
             "predicted_tokens_per_forward": (1 - alpha ** (gamma + 1)) / (1 - alpha) if alpha < 1 else gamma + 1}
+
+
+def alpha_standard_error(accepted_per_prompt: list[list[int]]) -> float | None:
+    """Standard error of alpha (first drafts accepted / rounds) when the rounds come in prompts: the rounds of
+    one prompt are not independent (a repetitive continuation accepts nearly everything), so the error is the
+    ratio estimator's, clustered by prompt, sqrt(n / (n - 1) * sum_i (a_i - alpha r_i)^2) / sum_i r_i, with a_i
+    the first drafts accepted and r_i the rounds of prompt i. None below two prompts."""
+    groups = [g for g in accepted_per_prompt if g]
+    if len(groups) < 2:
+        return None
+    a = [sum(x >= 1 for x in g) for g in groups]
+    r = [len(g) for g in groups]
+    alpha = sum(a) / sum(r)
+    n = len(groups)
+    return math.sqrt(n / (n - 1) * sum((ai - alpha * ri) ** 2 for ai, ri in zip(a, r))) / sum(r)
 
 
 class DraftVocab(nn.Module):

@@ -3,6 +3,7 @@ output has exactly the main model's distribution, acceptance is counted right, b
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from core.errors import SmeltError
 from models.generate import SMALL_M, WIDE_OUT, sample, small_m_linears
 from models.llama import LlamaConfig, build_model
 from models.mtp import MTPHeads
-from models.speculative import DraftVocab, frequent_token_ids, speculative_generate
+from models.speculative import DraftVocab, alpha_standard_error, frequent_token_ids, speculative_generate
 
 CFG = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden=64, max_seq_len=128,
                   tie_embeddings=False)
@@ -257,6 +258,9 @@ def test_benchmark_cli_reports_acceptance_and_speed_and_refuses_a_foreign_mtp_fi
     assert 0 <= o["alpha_first"] <= 1 and 1 <= o["tokens_per_forward"] <= 2 and o["plain_tok_s"] > 0
     assert r["ceiling_speedup"] > 0 and r["mtp"]["depth"] == "1" and r["settings"]["small_m"] is True
     assert r["settings"]["draft_vocab"] is None
+    per_prompt = [a for b in ("en", "zh", "code") for a in r["buckets"][b]["alpha_first_per_prompt"]]
+    assert len(per_prompt) == 6 == len(o["alpha_first_per_prompt"]) and o["alpha_first_se"] is not None
+    assert min(per_prompt) <= o["alpha_first"] <= max(per_prompt)
     run_cli(lambda: main(["--model", str(out), "--prompts", "1", "--prompt-len", "16", "--new-tokens", "8",
                           "--languages", "en", "--draft-vocab", "40", "--out", str(report)]))
     rec = json.loads(report.read_text())["settings"]["draft_vocab"]
@@ -266,13 +270,23 @@ def test_benchmark_cli_reports_acceptance_and_speed_and_refuses_a_foreign_mtp_fi
                           (["--gamma", "0"], "--gamma 0 must be >= 1"),
                           (["--draft-vocab", "100000"], "--draft-vocab 100000 must be within [0, ")):
         with pytest.raises(SystemExit):
-            run_cli(lambda: main(["--model", str(out), *argv]))
+            run_cli(lambda argv=argv: main(["--model", str(out), *argv]))
         err = capsys.readouterr().err.strip()
         assert message in err and "\n" not in err
     save_hf(build_model(cfg, seed=2), out)  # the main model changed under the MTP file
     with pytest.raises(SystemExit):
         run_cli(lambda: main(["--model", str(out)]))
     assert "trained against another main model" in capsys.readouterr().err
+
+
+def test_alpha_standard_error_is_clustered_by_prompt():
+    # two prompts, 10 rounds each: one accepts every first draft, one none. alpha 0.5; the i.i.d. error would
+    # be sqrt(0.25 / 20) = 0.112, the clustered one sqrt(2 * (5^2 + 5^2)) / 20 = 0.5: two prompts are two samples
+    assert alpha_standard_error([[1] * 10, [0] * 10]) == pytest.approx(0.5)
+    assert alpha_standard_error([[1, 0] * 5, [0, 2] * 5]) == 0  # every prompt at alpha 0.5: no spread between them
+    assert alpha_standard_error([[1, 0, 1]]) is None and alpha_standard_error([[1], []]) is None
+    # unequal lengths: a_i = (3, 0), r_i = (4, 2), alpha = 0.5; residuals 1 and -1
+    assert alpha_standard_error([[1, 1, 1, 0], [0, 0]]) == pytest.approx(math.sqrt(2 * 2) / 6)
 
 
 def test_an_mtp_file_for_another_shape_or_depth_is_refused(tmp_path):
