@@ -195,7 +195,7 @@ def _summary(per_prompt: list[list[int]], gamma: int, plain_tok_s: float, spec_t
     """acceptance_summary over all rounds, alpha per prompt and its prompt-clustered standard error, speed."""
     rounds = [a for g in per_prompt for a in g]
     return {**acceptance_summary(rounds, gamma), "alpha_first_se": alpha_standard_error(per_prompt),
-            "alpha_first_per_prompt": [sum(a >= 1 for a in g) / max(len(g), 1) for g in per_prompt],
+            "alpha_first_per_prompt": [acceptance_summary(g, gamma)["alpha_first"] for g in per_prompt],
             "plain_tok_s": plain_tok_s, "spec_tok_s": spec_tok_s, "speedup": spec_tok_s / plain_tok_s}
 
 
