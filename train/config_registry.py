@@ -198,3 +198,12 @@ def smollm2_mtp_realign() -> SmeltTrainer.Config:
     cfg.training.steps = 150
     cfg.optimizer.param_groups[0].optimizer_kwargs["lr"] = 1e-4
     return cfg
+
+
+def smollm2_mtp_kl() -> SmeltTrainer.Config:
+    """smollm2_mtp_main with KL to the frozen main model only (no CE): for the main model's continuations of
+    real 128-token prompts (distill.self_text --prompt-len 128), half of whose positions are real text where
+    CE would pull towards the corpus, not towards what verification accepts (README, issue 13)."""
+    cfg = smollm2_mtp_main()
+    cfg.loss.ce_weight = 0.0
+    return cfg
