@@ -75,6 +75,7 @@ class PruneStage(Stage):            # prune.run on the teacher
     calib_windows: int | None = None  # None: the CLI's default (core.calibrate.CalibConfig)
     calib_seq_len: int | None = None
     calib_forward: str | None = None  # block forward dtype (core.calibrate.FORWARD_DTYPES); None: float32
+    refit: bool = False             # kept weights re-solved to the layer-wise optimum for the mask (prune.run --refit)
     evaluate: bool = True
 
 

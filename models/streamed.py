@@ -143,7 +143,7 @@ def linear_groups(cfg: LlamaConfig) -> list[tuple[int, int]]:
 
 
 def footprint(cfg: LlamaConfig, n_windows: int, seq_len: int, batch_size: int, forward_bytes: int,
-              hessian: bool) -> dict[str, int]:
+              hessian: bool, refit: bool = False) -> dict[str, int]:
     """Bytes a streamed calibration holds at its peak, by part (an estimate from the shapes; the interpreter
     and libraries come on top). Two phases: embedding the windows, then one block at a time."""
     d, f, h = cfg.dim, cfg.ffn_hidden, cfg.n_heads
@@ -153,6 +153,8 @@ def footprint(cfg: LlamaConfig, n_windows: int, seq_len: int, batch_size: int, f
     groups = linear_groups(cfg)
     stats = sum(i * i * 12 if hessian else i * 8 for i, _ in groups)  # fp64 sums + one fp32 product
     solve = max(3 * i * i * 4 + 3 * r * i * 4 for i, r in groups) if hessian else 0  # H, its inverse, W copies
+    if refit:  # prune.algorithms.masked_refit: H_d and eight [rows, in] fp32 iterates
+        solve = max(solve, max(i * i * 4 + 8 * r * i * 4 for i, r in groups))
     embed = cfg.vocab_size * d * 4 + activations + batch
     per_block = block + activations + batch + stats + solve
     return {"total": max(embed, per_block), "embedding_phase": embed, "block_phase": per_block,
@@ -161,13 +163,13 @@ def footprint(cfg: LlamaConfig, n_windows: int, seq_len: int, batch_size: int, f
 
 
 def check_memory(stream: StreamedModel, limit_gib: float, n_windows: int, seq_len: int, batch_size: int,
-                 forward_dtype: torch.dtype, hessian: bool) -> dict:
+                 forward_dtype: torch.dtype, hessian: bool, refit: bool = False) -> dict:
     """The streamed calibration's estimated footprint, refused (one line) when it exceeds the limit
     (--max-memory); returns what a manifest records."""
     if not limit_gib > 0:
         raise SmeltError(f"--max-memory {limit_gib} must be a positive number of GiB")
     need = footprint(stream.cfg, n_windows, seq_len, batch_size, torch.empty((), dtype=forward_dtype).element_size(),
-                     hessian)
+                     hessian, refit)
     if need["total"] > limit_gib * 2**30:
         parts = ", ".join(f"{k.replace('_', ' ')} {v / 2**30:.3f}" for k, v in need.items()
                           if k not in ("total", "embedding_phase", "block_phase"))

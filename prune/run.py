@@ -7,6 +7,9 @@ Methods: magnitude (no calibration), wanda, sparsegpt, obs (exact, slow; small m
 artifact is an HF directory plus masks.safetensors (keep-masks for recovery training) and manifest.json
 with per-module sparsity and relative reconstruction error tr(ΔW H ΔWᵀ) / tr(W H Wᵀ).
 
+`--refit` re-solves the kept weights of every pruned linear to the exact layer-wise optimum for its mask
+(algorithms.masked_refit): SparseGPT's sweep compensates only later columns, Wanda updates nothing.
+
 `--protect heads.json` (prune.heads) leaves the protected heads' rows of wq/wk/wv dense and declares them
 in masks.safetensors (core.protected, core.masks): every pruner here treats rows independently, so a
 dense row is exactly what it would have been with nothing pruned in it.
@@ -44,6 +47,7 @@ from prune.patterns import check_sparsity
 
 METHODS = ("magnitude", "wanda", "sparsegpt", "obs")
 CALIBRATED = ("wanda", "sparsegpt", "obs")
+REFITTABLE = ("wanda", "sparsegpt")  # OBS's weights are already the optimum for its mask; magnitude has no H
 
 
 def prune_targets(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP) -> list[str]:
@@ -79,8 +83,8 @@ def _prune_weight(method: str, W: torch.Tensor, stats: LinearStats | None, spars
 
 
 def check_settings(model: nn.Module, method: str, sparsity: float, pattern: NMPattern | None = None,
-                   skip: tuple[str, ...] = DEFAULT_SKIP, blocksize: int = 128, percdamp: float = 0.01
-                   ) -> list[str]:
+                   skip: tuple[str, ...] = DEFAULT_SKIP, blocksize: int = 128, percdamp: float = 0.01,
+                   refit: bool = False) -> list[str]:
     """Validate everything that does not need data; returns the target linears. Fails before any
     tokenizing or forward pass, not after calibrating half the model."""
     targets = prune_targets(model, tuple(skip))
@@ -96,6 +100,9 @@ def check_settings(model: nn.Module, method: str, sparsity: float, pattern: NMPa
         raise SmeltError(f"blocksize={blocksize} must be a positive integer" + (f" multiple of M={m}" if m else ""))
     if not (math.isfinite(percdamp) and percdamp >= 0):
         raise SmeltError(f"percdamp={percdamp} must be a finite number >= 0 (e.g. 0.01)")
+    if refit and method not in REFITTABLE:
+        raise SmeltError(f"refit needs a method whose weights are not already optimal for its mask "
+                         f"({', '.join(REFITTABLE)}), got {method!r}")
     return targets
 
 
@@ -104,7 +111,7 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
                 pattern: NMPattern | None = None, skip: tuple[str, ...] = DEFAULT_SKIP, blocksize: int = 128,
                 percdamp: float = 0.01, cfg: CalibConfig | None = None, progress: bool = True,
                 dense_rows: dict[str, torch.Tensor] | None = None, stream: StreamedModel | None = None,
-                write_masks: Callable[[dict[str, torch.Tensor]], None] | None = None,
+                write_masks: Callable[[dict[str, torch.Tensor]], None] | None = None, refit: bool = False,
                 ) -> tuple[dict[str, torch.Tensor], dict]:
     """Prune the model's block linears in place; returns ({module name: bool keep-mask}, report).
 
@@ -115,12 +122,13 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
     dense_rows {name: bool [out]}: rows left as they are (all kept), e.g. protected heads.
     stream: the model is a StreamedModel's (meta until each block is loaded); each block's masks then go to
     `write_masks` as soon as the block is done, and the returned masks are empty.
+    refit: the kept weights re-solved to the layer-wise optimum for the mask (algorithms.masked_refit).
     """
     t_start = time.perf_counter()
     cfg = cfg or CalibConfig()
     if pattern is not None:
         sparsity = pattern.sparsity
-    targets = check_settings(model, method, sparsity, pattern, skip, blocksize, percdamp)
+    targets = check_settings(model, method, sparsity, pattern, skip, blocksize, percdamp, refit)
     dense_rows = dense_rows or {}
     if set(dense_rows) - set(targets):
         raise SmeltError(f"dense rows declared for {sorted(set(dense_rows) - set(targets))[0]}, which is not pruned")
@@ -129,12 +137,22 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
     per_module: dict[str, dict] = {}
     removed: dict[str, int] = {}  # pruned weights per module (the masks may be gone: streamed)
     seconds = {"forward_s": 0.0, "stats_s": 0.0, "hessian_inverse_s": 0.0, "prune_s": 0.0, "metrics_s": 0.0}
+    if refit:
+        seconds["refit_s"] = 0.0
+    refits: dict[str, dict] = {}  # the first linear of a group (or the linear) -> masked_refit's info
+
+    def pruned(name: str, W: torch.Tensor, stats: LinearStats | None) -> tuple[torch.Tensor, torch.Tensor]:
+        W_hat, keep = _prune_weight(method, W, stats, sparsity, pattern, blocksize, percdamp)
+        if refit:
+            t0 = time.perf_counter()
+            W_hat, refits[name] = algorithms.masked_refit(W, W_hat, stats.H, keep, percdamp)
+            seconds["refit_s"] += time.perf_counter() - t0
+        return W_hat, keep
 
     def prune_one(name: str, stats: LinearStats | None) -> None:
         t0 = time.perf_counter()
         try:
-            W_hat, keep = _prune_weight(method, modules[name].weight.detach(), stats, sparsity, pattern,
-                                        blocksize, percdamp)
+            W_hat, keep = pruned(name, modules[name].weight.detach(), stats)
         except SmeltError as e:
             raise SmeltError(f"{name}: {e}") from None
         seconds["prune_s"] += time.perf_counter() - t0
@@ -167,7 +185,7 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
         t0 = time.perf_counter()
         W = torch.cat([lin.weight.detach() for lin in lins])
         try:
-            W_hat, keep = _prune_weight(method, W, stats, sparsity, pattern, blocksize, percdamp)
+            W_hat, keep = pruned(group[0], W, stats)
         except SmeltError as e:
             raise SmeltError(f"{group[0]} (+{len(group) - 1} sharing its input): {e}") from None
         seconds["prune_s"] += time.perf_counter() - t0
@@ -192,7 +210,7 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
             # Wanda reads activation norms only: no XᵀX (it cost ~40% of a calibration), so no H-based
             # reconstruction error is reported for it either.
             ran = run_blocks(model, windows, on_block, cfg, targets=set(targets), progress=progress,
-                             hessian=method != "wanda", stream=stream)
+                             hessian=method != "wanda" or refit, stream=stream)
             seconds["forward_s"], seconds["stats_s"] = ran["forward_s"], ran["stats_s"]
         elif stream is not None:  # magnitude, streamed: each block loaded, pruned, written, freed
             for key, block in model.layers.items():
@@ -204,13 +222,16 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
         else:
             for name in targets:
                 prune_one(name, None)
-    seconds["prune_update_s"] = seconds.pop("prune_s") - seconds["hessian_inverse_s"]
+    seconds["prune_update_s"] = seconds.pop("prune_s") - seconds["hessian_inverse_s"] - seconds.get("refit_s", 0.0)
     seconds["total_s"] = time.perf_counter() - t_start
     pruned, total = sum(removed.values()), sum(modules[n].weight.numel() for n in removed)
     # the pattern goes into manifests as its "2:4" string, as existing artifacts have it
     report = {"method": method, "pattern": str(pattern) if pattern else None, "sparsity": pruned / total,
               "pruned_params": pruned, "total_params": total, "per_module": per_module,
               "timings_s": {k: round(v, 3) for k, v in seconds.items()}}
+    if refit:  # layer loss tr(ΔW H_d ΔWᵀ) before and after, per solve (a group of linears sharing an input is one)
+        report["refit"] = {k: {**v, "loss_ratio": v["loss_after"] / v["loss_before"] if v["loss_before"] else 1.0}
+                           for k, v in refits.items()}
     return masks, report
 
 
@@ -235,6 +256,8 @@ def _parse_args(argv):
                     help="XᵀX per batch in float64, float32 or bfloat16, the batches summed in float64")
     ap.add_argument("--blocksize", type=int, default=128, help="SparseGPT column block")
     ap.add_argument("--percdamp", type=float, default=0.01, help="Hessian dampening, fraction of mean(diag H)")
+    ap.add_argument("--refit", action="store_true",
+                    help="re-solve the kept weights to the exact layer-wise optimum for the mask (sparsegpt, wanda)")
     ap.add_argument("--skip", default=",".join(DEFAULT_SKIP),
                     help="comma-separated module names, dotted prefixes or suffixes to leave dense")
     ap.add_argument("--protect", metavar="HEADS_JSON",
@@ -293,9 +316,10 @@ def main(argv: list[str] | None = None) -> None:
     before_model = peak_rss_gib()  # interpreter, torch, tokenizer: what no --max-memory can cut
     stream = StreamedModel(teacher_dir, default_device()) if args.max_memory is not None else None
     model = stream.model if stream else load_hf(teacher_dir, device=str(default_device()))
-    targets = check_settings(model, args.method, sparsity, pattern, skip, args.blocksize, args.percdamp)
+    targets = check_settings(model, args.method, sparsity, pattern, skip, args.blocksize, args.percdamp, args.refit)
     need = check_memory(stream, args.max_memory, cfg.n_windows if calibrated else 0, cfg.seq_len, cfg.batch_size,
-                        cfg.forward_dtype(stream.device), hessian=args.method in ("sparsegpt", "obs")) if stream else None
+                        cfg.forward_dtype(stream.device), hessian=args.method in ("sparsegpt", "obs") or args.refit,
+                        refit=args.refit) if stream else None
     dense = {}
     if args.protect:
         c = model.cfg
@@ -308,14 +332,15 @@ def main(argv: list[str] | None = None) -> None:
         "method": args.method, "pattern": str(pattern) if pattern else None, "sparsity": sparsity,
         "calibration": cfg.record(default_device()) if calibrated else None, "skip": list(skip),
         "blocksize": args.blocksize if args.method == "sparsegpt" else None,
-        "percdamp": args.percdamp if args.method in ("sparsegpt", "obs") else None,
+        "percdamp": args.percdamp if args.method in ("sparsegpt", "obs") or args.refit else None,
+        "refit": args.refit,
         "teacher": args.teacher, "eval": None, "protect": args.protect,
         "dense_rows": {k: int(v.sum()) for k, v in sorted(dense.items())}, "stream": need,
     }
 
     def prune(**kw):
         return prune_model(model, windows, args.method, sparsity, pattern, skip, args.blocksize, args.percdamp,
-                           cfg, dense_rows=dense, **kw)
+                           cfg, dense_rows=dense, refit=args.refit, **kw)
 
     with atomic_dir(out, overwrite=args.overwrite) as tmp:  # an error below leaves nothing behind
         if stream is None:
@@ -331,7 +356,8 @@ def main(argv: list[str] | None = None) -> None:
             tokenizer.save_pretrained(str(tmp))
         windows = None  # the calibration's; freed before the evaluation
         print(_summary(args.method, report), file=sys.stderr)
-        metrics = {k: report[k] for k in ("sparsity", "pruned_params", "total_params", "per_module", "timings_s")}
+        metrics = {k: report[k] for k in ("sparsity", "pruned_params", "total_params", "per_module", "timings_s",
+                                          "refit") if k in report}
         metrics["peak_rss_gib"] = round(peak_rss_gib(), 3)  # this process: load + calibration (the eval runs apart)
         metrics["peak_rss_before_model_gib"] = round(before_model, 3)
         if args.eval:
