@@ -81,7 +81,7 @@ def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
                  *_opt("--protect", st.protect), *_opt("--skip", ",".join(st.skip) if st.skip else None),
                  *_opt("--sparsity", st.sparsity), *_opt("--calib-windows", st.calib_windows),
                  *_opt("--calib-seq-len", st.calib_seq_len), *_opt("--calib-forward", st.calib_forward),
-                 *_opt("--calib-corpus", calib), *(["--refit"] if st.refit else []), "--out", st.dst]]
+                 *_opt("--calib-corpus", calib), *_opt("--refit", st.refit), "--out", st.dst]]
     if st.kind == "teacher_cache":
         return [[PY, "-m", "distill.teacher_cache", "--teacher", t, "--source", recipe.data.train,
                  "--seq-len", str(st.seq_len), "--windows", str(st.windows), "--top-k", str(st.top_k),

@@ -75,7 +75,7 @@ class PruneStage(Stage):            # prune.run on the teacher
     calib_windows: int | None = None  # None: the CLI's default (core.calibrate.CalibConfig)
     calib_seq_len: int | None = None
     calib_forward: str | None = None  # block forward dtype (core.calibrate.FORWARD_DTYPES); None: float32
-    refit: bool = False             # kept weights re-solved to the layer-wise optimum for the mask (prune.run --refit)
+    refit: str | None = None        # kept weights re-solved for the mask (prune.run --refit layer|teacher); None: off
     evaluate: bool = True
 
 
@@ -383,6 +383,8 @@ def check(recipe: Recipe, registry: dict) -> None:
             NMPattern.parse(st.pattern, f"{where}.pattern")
         if isinstance(st, (PruneStage, PtqStage)) and st.calib_windows is not None and st.calib_windows < 1:
             raise SmeltError(f"{where}.calib_windows={st.calib_windows} must be >= 1")
+        if isinstance(st, PruneStage) and st.refit not in (None, "layer", "teacher"):
+            raise SmeltError(f"{where}.refit {st.refit!r} is not one of layer, teacher")
         if isinstance(st, (PruneStage, PtqStage)) and st.calib_forward not in (None, *FORWARD_DTYPES):
             raise SmeltError(f"{where}.calib_forward {st.calib_forward!r} is not one of {', '.join(FORWARD_DTYPES)}")
         if isinstance(st, ReleaseStage) and st.dtype not in ("bfloat16", "float16", "float32"):

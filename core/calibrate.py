@@ -6,6 +6,10 @@ SparseGPT, Wanda and OBS (prune/) and GPTQ (qat/) use it; head scoring (planned)
 each linear, sums over its calibration inputs X [tokens, in]:
   H = XᵀX              the layer-wise Hessian proxy (||XWᵀ − XŴᵀ||² = tr(ΔW H ΔWᵀ))
   sq_norm_j = Σ x_j²   so Wanda's ||X_j||₂ = sqrt(sq_norm_j)
+and, with teacher targets (sequential calibration only), the teacher's input to the same linear at the same
+token, x_d, from a second stream of activations that runs the blocks as they were before any change:
+  C = X_dᵀX            so ||X_d Wᵀ − X Ŵᵀ||² = const − 2 tr(Ŵ (W C)ᵀ) + tr(Ŵ H Ŵᵀ): the layer matched to
+                       the teacher's own output there, which also undoes what earlier blocks' changes did to X
 
 Memory: one block's inputs (n_windows × seq_len × dim), one batch's activations and one block's
 statistics at a time; the whole model's activations are never held.
@@ -134,6 +138,8 @@ class LinearStats:
         self.n_tokens = 0
         self._last: torch.Tensor | None = None  # the tensor added last: a shared input is added once
         self._mirrored: torch.Tensor | None = None  # H, symmetrised from the upper tiles (cached)
+        self.cross: torch.Tensor | None = None  # Σ x_d xᵀ (teacher targets), [in, in], fp64 sums
+        self._last_cross: torch.Tensor | None = None
 
     @torch.no_grad()
     def add(self, x: torch.Tensor) -> None:
@@ -161,8 +167,23 @@ class LinearStats:
             self.sq_norm.add_(chunk.to(wide).square().sum(0))
         self.n_tokens += x.shape[0]
 
+    @torch.no_grad()
+    def add_cross(self, x_teacher: torch.Tensor, x: torch.Tensor) -> None:
+        """C += X_dᵀX for one batch: the teacher's inputs to this linear and the model's, token for token."""
+        if x is self._last_cross:
+            return
+        self._last_cross = x
+        xd = x_teacher.detach().reshape(-1, x_teacher.shape[-1]).to(self.product_dtype)
+        xm = x.detach().reshape(-1, x.shape[-1]).to(self.product_dtype)
+        if self.cross is None:
+            self.cross = torch.zeros(xm.shape[1], xm.shape[1], dtype=self.sq_norm.dtype, device=xm.device)
+        if self.product_dtype == self.cross.dtype:
+            self.cross.addmm_(xd.T, xm)
+        else:
+            self.cross.add_(xd.T @ xm)
+
     def end_batch(self) -> None:
-        self._last = None  # drop the reference: the batch's activations can be freed
+        self._last = self._last_cross = None  # drop the references: the batch's activations can be freed
 
     @property
     def H(self) -> torch.Tensor:
@@ -174,6 +195,11 @@ class LinearStats:
             # Handed out in the precision its products had: the rank test then uses that epsilon.
             self._mirrored = H.to(self.product_dtype)
         return self._mirrored
+
+    @property
+    def C(self) -> torch.Tensor | None:
+        """X_dᵀX (teacher targets), in the precision its products had; None without teacher targets."""
+        return None if self.cross is None else self.cross.to(self.product_dtype)
 
     @property
     def act_norm(self) -> torch.Tensor:
@@ -189,9 +215,13 @@ class _Collector:
         self.linears, self.hessian, self.product_dtype = linears, hessian, product_dtype
         self.stats: dict[str, LinearStats] = {}
         self.seconds = 0.0
+        self.teacher_inputs: dict[str, torch.Tensor] | None = None  # this batch's, set by capture_teacher
+        self.capturing = False  # a teacher-stream forward: no statistics, no stop
 
     def _hook(self, name: str):
         def hook(module: nn.Linear, args):
+            if self.capturing:
+                return
             t0 = time.perf_counter()
             x = args[0]
             st = self.stats.get(name)
@@ -200,8 +230,27 @@ class _Collector:
                     module.in_features, torch.float64, x.device, self.hessian, self.product_dtype)  # fp64 sums
                 self.stats[name] = st
             st.add(x)
+            if self.teacher_inputs is not None:
+                st.add_cross(self.teacher_inputs[name], x)
             self.seconds += time.perf_counter() - t0
         return hook
+
+    @contextlib.contextmanager
+    def capture_teacher(self):
+        """While attached, record each selected linear's input (the teacher stream's batch) for add_cross."""
+        captured: dict[str, torch.Tensor] = {}
+
+        def keep(name):
+            return lambda module, args: captured.__setitem__(name, args[0])
+        handles = [m.register_forward_pre_hook(keep(n)) for n, m in self.linears.items()]
+        self.capturing = True
+        try:
+            yield
+        finally:
+            self.capturing = False
+            for h in handles:
+                h.remove()
+        self.teacher_inputs = captured
 
     @contextlib.contextmanager
     def attached(self):
@@ -215,6 +264,7 @@ class _Collector:
     def end_batch(self) -> None:
         for st in self.stats.values():
             st.end_batch()
+        self.teacher_inputs = None
 
 
 def _selector(targets: Callable[[str], bool] | Collection[str] | None) -> Callable[[str], bool]:
@@ -274,7 +324,8 @@ def _last_linear(block: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torc
 @torch.no_grad()
 def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock, cfg: CalibConfig,
                targets: Callable[[str], bool] | Collection[str] | None = None, hessian: bool = True,
-               progress: bool = True, stream: BlockStream | None = None) -> dict[str, float]:
+               progress: bool = True, stream: BlockStream | None = None, teacher_targets: bool = False
+               ) -> dict[str, float]:
     """Run `windows` [n, seq_len] through the model block by block, in layer order.
 
     For each block `layers.K`: a statistics pass runs the block on its inputs (in batches of
@@ -288,9 +339,16 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
     spent: forward_s (block forwards, hooks excluded), stats_s (accumulating statistics), on_block_s.
     With `stream` (models.streamed.StreamedModel), the model lives on the meta device and each module is
     loaded just before its pass and released (written out, freed) right after.
+    teacher_targets: a second stream of activations runs every block as it was before on_block changed it
+    (the teacher's own activations), and each LinearStats also sums C = X_dᵀX over the teacher's inputs to
+    that linear and the model's (one more full block forward per batch, and C's products, which are not
+    symmetric). Sequential calibration only: without it both streams are the teacher's.
     """
     if windows is None or windows.numel() == 0:
         raise SmeltError("no calibration data: run_blocks needs at least one window")
+    if teacher_targets and not (cfg.sequential and hessian):
+        raise SmeltError("teacher targets need sequential calibration with the Hessian (the model's inputs "
+                         "differ from the teacher's only when earlier blocks were changed)")
     if windows.ndim != 2:
         raise SmeltError(f"calibration windows must be [n, seq_len] token ids, got shape {tuple(windows.shape)}")
     seq_len = windows.shape[1]
@@ -318,6 +376,7 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
         hidden = [model.tok_embeddings(b.to(device)).to(fwd_dtype) for b in windows.split(cfg.batch_size)]
         if stream is not None:
             stream.release("tok_embeddings", model.tok_embeddings)
+        teacher = list(hidden) if teacher_targets else None  # the same tensors until block 0 changes
         bar = tqdm(total=len(model.layers), desc="calibrate", unit="block", disable=not progress)
         for key, block in model.layers.items():
             prefix = f"layers.{key}"
@@ -331,8 +390,14 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
             collector = _Collector(linears, hessian, product)
             if linears or not cfg.sequential:
                 t0 = time.perf_counter()
+
+                def teacher_batch(i: int) -> None:  # the unchanged block on the teacher's stream, inputs kept
+                    with collector.capture_teacher():
+                        teacher[i] = fwd(teacher[i], cos, sin)
                 # Batch 0 finds the block's last Linear; in a sequential pass the rest stop there (its
                 # output and what follows are recomputed with the modified block anyway).
+                if teacher is not None:
+                    teacher_batch(0)
                 last, out = _last_linear(fwd, hidden[0], cos, sin, collector)
                 collector.end_batch()
                 if not cfg.sequential:
@@ -342,8 +407,11 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
                 try:
                     with collector.attached():  # the stop hook after the collector's: stats first
                         if cfg.sequential and last is not None:
-                            stop = last.register_forward_pre_hook(_raise_stop)
+                            stop = last.register_forward_pre_hook(
+                                lambda m, a: None if collector.capturing else _raise_stop(m, a))
                         for i in range(1, len(hidden)):
+                            if teacher is not None:
+                                teacher_batch(i)
                             try:
                                 out = fwd(hidden[i], cos, sin)
                             except _StopPass:
@@ -377,6 +445,6 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
         if bar is not None:
             bar.close()  # before any error is printed, so the message stays the last line
         model.train(was_training)
-        hidden = None
+        hidden = teacher = None
         release_memory()
     return seconds

@@ -143,15 +143,19 @@ def linear_groups(cfg: LlamaConfig) -> list[tuple[int, int]]:
 
 
 def footprint(cfg: LlamaConfig, n_windows: int, seq_len: int, batch_size: int, forward_bytes: int,
-              hessian: bool, refit: bool = False) -> dict[str, int]:
+              hessian: bool, refit: str | None = None) -> dict[str, int]:
     """Bytes a streamed calibration holds at its peak, by part (an estimate from the shapes; the interpreter
     and libraries come on top). Two phases: embedding the windows, then one block at a time."""
     d, f, h = cfg.dim, cfg.ffn_hidden, cfg.n_heads
     block = block_params(cfg) * (4 + (forward_bytes if forward_bytes != 4 else 0))  # fp32 + a forward copy
     activations = n_windows * seq_len * d * forward_bytes  # the current block's inputs, replaced in place
+    if refit == "teacher":  # the teacher's stream of activations next to the model's
+        activations *= 2
     batch = batch_size * seq_len * (6 * d + 3 * f + h * seq_len) * 4  # one batch's temporaries
     groups = linear_groups(cfg)
     stats = sum(i * i * 12 if hessian else i * 8 for i, _ in groups)  # fp64 sums + one fp32 product
+    if refit == "teacher":  # X_dᵀX: fp64 sums + one fp32 product
+        stats += sum(i * i * 12 for i, _ in groups)
     solve = max(3 * i * i * 4 + 3 * r * i * 4 for i, r in groups) if hessian else 0  # H, its inverse, W copies
     if refit:  # prune.algorithms.masked_refit: H_d and eight [rows, in] fp32 iterates
         solve = max(solve, max(i * i * 4 + 8 * r * i * 4 for i, r in groups))
@@ -163,7 +167,7 @@ def footprint(cfg: LlamaConfig, n_windows: int, seq_len: int, batch_size: int, f
 
 
 def check_memory(stream: StreamedModel, limit_gib: float, n_windows: int, seq_len: int, batch_size: int,
-                 forward_dtype: torch.dtype, hessian: bool, refit: bool = False) -> dict:
+                 forward_dtype: torch.dtype, hessian: bool, refit: str | None = None) -> dict:
     """The streamed calibration's estimated footprint, refused (one line) when it exceeds the limit
     (--max-memory); returns what a manifest records."""
     if not limit_gib > 0:

@@ -191,6 +191,7 @@ def masked_refit(
     percdamp: float = 0.01,
     max_iter: int = 200,
     tol: float = 1e-4,
+    cross: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """The kept weights re-solved to the exact layer-wise optimum for their mask (the mask itself fixed).
 
@@ -202,30 +203,39 @@ def masked_refit(
     [rows, in] x [in, in] product), Jacobi-preconditioned, starting from W_hat; fp32, as the sweeps.
     Inputs never seen in calibration (diag H == 0) stay as W_hat has them. A row whose layer loss the
     solve did not lower (rounding at convergence) keeps W_hat's row, so the loss never rises.
-    Returns (Ŵ in W's dtype, exactly 0 off the mask; {iterations, rel_residual, loss_before, loss_after}).
+
+    cross = X_dᵀX (core.calibrate's teacher targets) matches the teacher's output instead:
+    min ||X_d Wᵀ − X Ŵᵀ||² + damp·||Ŵ − W||², X_d the teacher's inputs to this layer and X (H = XᵀX) the
+    model's, so the solve also absorbs what earlier blocks' pruning did to X. The right-hand side W H_d
+    becomes W C + damp·W; cross = H is the plain refit.
+    Returns (Ŵ in W's dtype, exactly 0 off the mask; {iterations, rel_residual, objective_drop (the loss
+    removed, ≥ 0), and without `cross` loss_before, loss_after: tr(ΔW H_d ΔWᵀ)}).
     """
     W, W_hat = W.detach(), W_hat.detach()
     if W.shape != W_hat.shape or keep.shape != W.shape or keep.dtype != torch.bool:
         raise SmeltError(f"shapes do not match: W {tuple(W.shape)}, W_hat {tuple(W_hat.shape)}, keep "
                          f"{tuple(keep.shape)} {keep.dtype} (need three [out, in], keep bool)")
     check_hessian(H, W.shape[1])
+    if cross is not None and cross.shape != H.shape:
+        raise SmeltError(f"cross shape {tuple(cross.shape)} must be [in_features, in_features] = {tuple(H.shape)}")
     if not (isinstance(max_iter, int) and max_iter > 0 and tol > 0):
         raise SmeltError(f"max_iter={max_iter} must be a positive integer and tol={tol} > 0")
     dt = _work_dtype(W)
     Hd = H.detach().to(device=W.device, dtype=dt, copy=True)
     diag = Hd.diagonal()
     dead = diag == 0
-    diag.add_(percdamp * diag.mean())
+    damp = percdamp * diag.mean()
+    diag.add_(damp)
     diag[dead] = 1.0  # those columns are frozen below; 1 keeps the preconditioner finite
     free = keep & ~dead  # the unknowns: kept weights of inputs calibration saw
     w, x = W.to(dt), W_hat.to(dt).masked_fill(~keep, 0)
+    b = w @ Hd if cross is None else w @ cross.detach().to(device=W.device, dtype=dt) + damp * w
 
-    def loss(v: torch.Tensor) -> torch.Tensor:  # per row: (v − w) H_d (v − w)ᵀ
-        d = v - w
-        return ((d @ Hd) * d).sum(1)
+    def objective(v: torch.Tensor) -> torch.Tensor:  # per row: v H_d vᵀ − 2 v·b, the loss less a constant
+        return ((v @ Hd - 2 * b) * v).sum(1)
 
-    before = loss(x)
-    r = ((w - x) @ Hd) * free  # the negative gradient on the support
+    before = objective(x)
+    r = (b - x @ Hd) * free  # the negative gradient on the support
     z = r / diag
     p = z.clone()
     rz = (r * z).sum(1)
@@ -245,12 +255,14 @@ def masked_refit(
         beta = torch.where(rz > 0, rz_new / rz.clamp_min(torch.finfo(dt).tiny), torch.zeros_like(rz))
         p = z + beta[:, None] * p
         rz = rz_new
-    after = loss(x)
+    after = objective(x)
     worse = after > before
     x[worse] = W_hat.to(dt)[worse].masked_fill(~keep[worse], 0)
     after = torch.where(worse, before, after)
-    info = {"iterations": it, "rel_residual": rel, "loss_before": float(before.sum()),
-            "loss_after": float(after.sum())}
+    info = {"iterations": it, "rel_residual": rel, "objective_drop": float((before - after).sum())}
+    if cross is None:  # the constant is w H_d wᵀ: the losses themselves
+        const = ((w @ Hd) * w).sum(1)
+        info |= {"loss_before": float((before + const).sum()), "loss_after": float((after + const).sum())}
     return x.masked_fill(~keep, 0).to(W.dtype), info
 
 

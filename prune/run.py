@@ -7,8 +7,10 @@ Methods: magnitude (no calibration), wanda, sparsegpt, obs (exact, slow; small m
 artifact is an HF directory plus masks.safetensors (keep-masks for recovery training) and manifest.json
 with per-module sparsity and relative reconstruction error tr(ΔW H ΔWᵀ) / tr(W H Wᵀ).
 
-`--refit` re-solves the kept weights of every pruned linear to the exact layer-wise optimum for its mask
+`--refit layer` re-solves the kept weights of every pruned linear to the exact layer-wise optimum for its mask
 (algorithms.masked_refit): SparseGPT's sweep compensates only later columns, Wanda updates nothing.
+`--refit teacher` fits them to the teacher's own output at that layer instead (core.calibrate's teacher
+targets: one more block forward per batch), so each layer also absorbs what earlier layers' pruning changed.
 
 `--protect heads.json` (prune.heads) leaves the protected heads' rows of wq/wk/wv dense and declares them
 in masks.safetensors (core.protected, core.masks): every pruner here treats rows independently, so a
@@ -48,6 +50,7 @@ from prune.patterns import check_sparsity
 METHODS = ("magnitude", "wanda", "sparsegpt", "obs")
 CALIBRATED = ("wanda", "sparsegpt", "obs")
 REFITTABLE = ("wanda", "sparsegpt")  # OBS's weights are already the optimum for its mask; magnitude has no H
+REFITS = ("layer", "teacher")
 
 
 def prune_targets(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP) -> list[str]:
@@ -84,7 +87,7 @@ def _prune_weight(method: str, W: torch.Tensor, stats: LinearStats | None, spars
 
 def check_settings(model: nn.Module, method: str, sparsity: float, pattern: NMPattern | None = None,
                    skip: tuple[str, ...] = DEFAULT_SKIP, blocksize: int = 128, percdamp: float = 0.01,
-                   refit: bool = False) -> list[str]:
+                   refit: str | None = None) -> list[str]:
     """Validate everything that does not need data; returns the target linears. Fails before any
     tokenizing or forward pass, not after calibrating half the model."""
     targets = prune_targets(model, tuple(skip))
@@ -100,6 +103,8 @@ def check_settings(model: nn.Module, method: str, sparsity: float, pattern: NMPa
         raise SmeltError(f"blocksize={blocksize} must be a positive integer" + (f" multiple of M={m}" if m else ""))
     if not (math.isfinite(percdamp) and percdamp >= 0):
         raise SmeltError(f"percdamp={percdamp} must be a finite number >= 0 (e.g. 0.01)")
+    if refit is not None and refit not in REFITS:
+        raise SmeltError(f"refit={refit!r} is not one of {', '.join(REFITS)}")
     if refit and method not in REFITTABLE:
         raise SmeltError(f"refit needs a method whose weights are not already optimal for its mask "
                          f"({', '.join(REFITTABLE)}), got {method!r}")
@@ -111,7 +116,7 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
                 pattern: NMPattern | None = None, skip: tuple[str, ...] = DEFAULT_SKIP, blocksize: int = 128,
                 percdamp: float = 0.01, cfg: CalibConfig | None = None, progress: bool = True,
                 dense_rows: dict[str, torch.Tensor] | None = None, stream: StreamedModel | None = None,
-                write_masks: Callable[[dict[str, torch.Tensor]], None] | None = None, refit: bool = False,
+                write_masks: Callable[[dict[str, torch.Tensor]], None] | None = None, refit: str | None = None,
                 ) -> tuple[dict[str, torch.Tensor], dict]:
     """Prune the model's block linears in place; returns ({module name: bool keep-mask}, report).
 
@@ -122,7 +127,8 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
     dense_rows {name: bool [out]}: rows left as they are (all kept), e.g. protected heads.
     stream: the model is a StreamedModel's (meta until each block is loaded); each block's masks then go to
     `write_masks` as soon as the block is done, and the returned masks are empty.
-    refit: the kept weights re-solved to the layer-wise optimum for the mask (algorithms.masked_refit).
+    refit: the kept weights re-solved to the layer-wise optimum for the mask (algorithms.masked_refit):
+    "layer" for the layer's own output on its current inputs, "teacher" for the teacher's output there.
     """
     t_start = time.perf_counter()
     cfg = cfg or CalibConfig()
@@ -145,7 +151,7 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
         W_hat, keep = _prune_weight(method, W, stats, sparsity, pattern, blocksize, percdamp)
         if refit:
             t0 = time.perf_counter()
-            W_hat, refits[name] = algorithms.masked_refit(W, W_hat, stats.H, keep, percdamp)
+            W_hat, refits[name] = algorithms.masked_refit(W, W_hat, stats.H, keep, percdamp, cross=stats.C)
             seconds["refit_s"] += time.perf_counter() - t0
         return W_hat, keep
 
@@ -210,7 +216,8 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
             # Wanda reads activation norms only: no XᵀX (it cost ~40% of a calibration), so no H-based
             # reconstruction error is reported for it either.
             ran = run_blocks(model, windows, on_block, cfg, targets=set(targets), progress=progress,
-                             hessian=method != "wanda" or refit, stream=stream)
+                             hessian=method != "wanda" or bool(refit), stream=stream,
+                             teacher_targets=refit == "teacher")
             seconds["forward_s"], seconds["stats_s"] = ran["forward_s"], ran["stats_s"]
         elif stream is not None:  # magnitude, streamed: each block loaded, pruned, written, freed
             for key, block in model.layers.items():
@@ -229,9 +236,9 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
     report = {"method": method, "pattern": str(pattern) if pattern else None, "sparsity": pruned / total,
               "pruned_params": pruned, "total_params": total, "per_module": per_module,
               "timings_s": {k: round(v, 3) for k, v in seconds.items()}}
-    if refit:  # layer loss tr(ΔW H_d ΔWᵀ) before and after, per solve (a group of linears sharing an input is one)
-        report["refit"] = {k: {**v, "loss_ratio": v["loss_after"] / v["loss_before"] if v["loss_before"] else 1.0}
-                           for k, v in refits.items()}
+    if refit:  # per solve (a group of linears sharing an input is one); "layer": the loss tr(ΔW H_d ΔWᵀ) too
+        report["refit"] = {k: {**v, **({"loss_ratio": v["loss_after"] / v["loss_before"] if v["loss_before"] else 1.0}
+                                       if "loss_before" in v else {})} for k, v in refits.items()}
     return masks, report
 
 
@@ -256,8 +263,9 @@ def _parse_args(argv):
                     help="XᵀX per batch in float64, float32 or bfloat16, the batches summed in float64")
     ap.add_argument("--blocksize", type=int, default=128, help="SparseGPT column block")
     ap.add_argument("--percdamp", type=float, default=0.01, help="Hessian dampening, fraction of mean(diag H)")
-    ap.add_argument("--refit", action="store_true",
-                    help="re-solve the kept weights to the exact layer-wise optimum for the mask (sparsegpt, wanda)")
+    ap.add_argument("--refit", choices=REFITS,
+                    help="re-solve the kept weights to the exact optimum for the mask (sparsegpt, wanda): of the "
+                         "layer's own output (layer) or of the teacher's output at that layer (teacher)")
     ap.add_argument("--skip", default=",".join(DEFAULT_SKIP),
                     help="comma-separated module names, dotted prefixes or suffixes to leave dense")
     ap.add_argument("--protect", metavar="HEADS_JSON",
@@ -318,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     model = stream.model if stream else load_hf(teacher_dir, device=str(default_device()))
     targets = check_settings(model, args.method, sparsity, pattern, skip, args.blocksize, args.percdamp, args.refit)
     need = check_memory(stream, args.max_memory, cfg.n_windows if calibrated else 0, cfg.seq_len, cfg.batch_size,
-                        cfg.forward_dtype(stream.device), hessian=args.method in ("sparsegpt", "obs") or args.refit,
+                        cfg.forward_dtype(stream.device), hessian=args.method in ("sparsegpt", "obs") or bool(args.refit),
                         refit=args.refit) if stream else None
     dense = {}
     if args.protect:

@@ -150,6 +150,30 @@ def test_masked_refit_reaches_the_least_squares_optimum_for_the_mask(method):
         assert err_after < 0.8 * err_before
 
 
+def test_masked_refit_to_teacher_targets_solves_the_asymmetric_least_squares():
+    """With X_d the teacher's inputs and X the pruned model's: min ||X_d wᵀ − X ŵᵀ||² + damp ||ŵ − w||² on the
+    mask, closed form per row on its support K: ŵ_K = (H_d)_KK⁻¹ (w C + damp w)_K."""
+    X, W = layer(8, rows=12, cols=32)
+    Xd = X + 0.3 * torch.randn(X.shape, generator=torch.Generator().manual_seed(9)) * X.std(0)
+    H, C = X.T @ X, Xd.T @ X
+    Wp, keep = sparsegpt_prune(W, H, pattern=NMPattern(2, 4))
+    Wr, info = masked_refit(W, Wp, H, keep, cross=C)
+    damp = 0.01 * H.double().diagonal().mean()
+    Hd = H.double() + damp * torch.eye(32, dtype=torch.float64)
+    b = W.double() @ C.double() + damp * W.double()
+    for r in range(12):
+        K = keep[r]
+        torch.testing.assert_close(Wr[r][K].double(), torch.linalg.solve(Hd[K][:, K], b[r][K]), rtol=2e-3, atol=2e-3)
+    assert bool((Wr[~keep] == 0).all()) and info["objective_drop"] > 0 and "loss_before" not in info
+
+    def teacher_error(V):  # what the teacher-target refit minimises (undamped)
+        return float(((Xd.double() @ W.double().T - X.double() @ V.double().T) ** 2).sum())
+    plain, _ = masked_refit(W, Wp, H, keep)
+    assert teacher_error(Wr) < min(teacher_error(plain), teacher_error(Wp))
+    with pytest.raises(SmeltError, match="cross shape"):
+        masked_refit(W, Wp, H, keep, cross=C[:16])
+
+
 def test_masked_refit_leaves_the_obs_optimum_where_it_is():
     X, W = layer(6, rows=8, cols=32)
     H = X.T @ X

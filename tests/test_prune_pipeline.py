@@ -91,6 +91,40 @@ def test_sequential_calibration_sees_the_pruned_previous_block():
         assert torch.allclose(H, X.T @ X, rtol=1e-5, atol=1e-6 * float(X.abs().max()) ** 2)
 
 
+def test_teacher_targets_pair_the_teachers_inputs_with_the_pruned_models_token_for_token():
+    """C = X_dᵀX: X_d from the dense model, X through the pruned block 0 (brute force on both models); H and
+    every other statistic as without teacher targets; the teacher stream costs no statistics of its own."""
+    dense = build_model(tiny_config(max_seq_len=64), seed=4).eval()
+    windows = torch.randint(0, 260, (4, 32), generator=torch.Generator().manual_seed(1))
+    cfg = CalibConfig(n_windows=4, seq_len=32, batch_size=3, **EXACT)  # batches of 3 and 1
+    plain_model, model = copy.deepcopy(dense), copy.deepcopy(dense)
+    plain = collect(plain_model, windows, cfg, 0.5)
+    got = {}
+
+    def on_block(block_name, block, stats):
+        got[block_name] = {k: (v.H.clone(), v.C.clone(), v.n_tokens) for k, v in stats.items()}
+        for k in stats:
+            lin = block.get_submodule(k.removeprefix(block_name + "."))
+            lin.weight.copy_(magnitude_prune(lin.weight, 0.5)[0])
+
+    run_blocks(model, windows, on_block, cfg, progress=False, teacher_targets=True)
+    for name in (f"layers.0.{PROBE}", "layers.0.attention.wq"):  # block 0: both streams are the teacher's
+        H, C, n = got["layers.0"][name]
+        assert n == 4 * 32 and torch.allclose(C, H, rtol=1e-6, atol=1e-8)
+    half = copy.deepcopy(dense)
+    half.layers["0"].load_state_dict(model.layers["0"].state_dict())
+    for name in (f"layers.1.{PROBE}", "layers.1.attention.wv"):
+        H, C, n = got["layers.1"][name]
+        X, Xd = captured_inputs(half, windows, name), captured_inputs(dense, windows, name)
+        scale = float(X.abs().max()) * float(Xd.abs().max())
+        assert torch.allclose(C, Xd.T @ X, rtol=1e-5, atol=1e-6 * scale)
+        assert not torch.allclose(C, H, rtol=1e-3)  # block 0 was pruned: the streams differ now
+        assert torch.equal(H, plain["layers.1"][name][0]) and n == 4 * 32
+    with pytest.raises(SmeltError, match="teacher targets need sequential"):
+        run_blocks(copy.deepcopy(dense), windows, on_block, CalibConfig(n_windows=4, seq_len=32, sequential=False),
+                   progress=False, teacher_targets=True)
+
+
 def test_float32_hessian_matches_float64_and_stays_honest_about_its_precision():
     model = build_model(tiny_config(max_seq_len=64), seed=5).eval()
     windows = torch.randint(0, 260, (6, 32), generator=torch.Generator().manual_seed(2))
@@ -180,7 +214,7 @@ def test_refit_keeps_the_masks_and_lowers_every_layer_error(tiny_model_dir, cali
     plain, fitted = load_hf(tiny_model_dir), load_hf(tiny_model_dir)
     masks_p, rep_p = prune_model(plain, windows, method, pattern=NMPattern(2, 4), cfg=cfg, progress=False,
                                  dense_rows={"layers.0.attention.wq": torch.arange(64) < 16})
-    masks, rep = prune_model(fitted, windows, method, pattern=NMPattern(2, 4), cfg=cfg, progress=False, refit=True,
+    masks, rep = prune_model(fitted, windows, method, pattern=NMPattern(2, 4), cfg=cfg, progress=False, refit="layer",
                              dense_rows={"layers.0.attention.wq": torch.arange(64) < 16})
     mods = dict(fitted.named_modules())
     for name, keep in masks.items():
@@ -198,8 +232,19 @@ def test_refit_keeps_the_masks_and_lowers_every_layer_error(tiny_model_dir, cali
         assert sum(err.values()) < sum(base.values())
     else:
         assert all(0 < e < 1 for e in err.values())
+    if method == "sparsegpt":  # teacher targets: block 0's are its own output (C = H), later blocks' are not
+        teach = load_hf(tiny_model_dir)
+        masks_t, rep_t = prune_model(teach, windows, method, pattern=NMPattern(2, 4), cfg=cfg, progress=False,
+                                     refit="teacher", dense_rows={"layers.0.attention.wq": torch.arange(64) < 16})
+        mods_t = dict(teach.named_modules())
+        for name in masks_t:
+            assert bool((mods_t[name].weight[~masks_t[name]] == 0).all())
+            if name.startswith("layers.0."):
+                torch.testing.assert_close(mods_t[name].weight, mods[name].weight, rtol=1e-3, atol=1e-4)
+        assert all(v["objective_drop"] >= 0 and "loss_ratio" not in v for v in rep_t["refit"].values())
+        assert not torch.allclose(mods_t["layers.1.feed_forward.w2"].weight, mods["layers.1.feed_forward.w2"].weight)
     with pytest.raises(SmeltError, match="refit needs a method"):
-        prune_model(load_hf(tiny_model_dir), windows, "obs", 0.5, cfg=cfg, progress=False, refit=True)
+        prune_model(load_hf(tiny_model_dir), windows, "obs", 0.5, cfg=cfg, progress=False, refit="layer")
 
 
 def test_protected_rows_stay_dense_and_the_other_rows_are_pruned_as_without_protection(tiny_model_dir, calib):
@@ -348,7 +393,7 @@ BAD = [
       "--calib-seq-len", "8"], "Hessian is singular"),
     (["--method", "wanda", "--sparsity", "0.5", "--calib-corpus", "wikitext2-test"], "never be calibrated on"),
     (["--method", "wanda", "--sparsity", "0.5", "--calib-corpus", "wikitext2-valid+"], "corpus '' is unknown"),
-    (["--method", "magnitude", "--pattern", "2:4", "--refit"], "refit needs a method"),
+    (["--method", "magnitude", "--pattern", "2:4", "--refit", "layer"], "refit needs a method"),
 ]
 
 
