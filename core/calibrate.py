@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import sys
 import time
 from collections.abc import Callable, Collection
@@ -302,8 +303,9 @@ class _StopPass(Exception):
     """Raised at the block's last Linear in a sequential statistics pass: what follows is never used."""
 
 
-def _raise_stop(module, args):
-    raise _StopPass
+def _stop_unless_capturing(collector: _Collector, module, args):
+    if not collector.capturing:  # a teacher-stream forward runs the whole block: its output is the next input
+        raise _StopPass
 
 
 def _last_linear(block: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -391,8 +393,8 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
             if linears or not cfg.sequential:
                 t0 = time.perf_counter()
 
-                def teacher_batch(i: int) -> None:  # the unchanged block on the teacher's stream, inputs kept
-                    with collector.capture_teacher():
+                def teacher_batch(i: int, fwd=fwd, collector=collector) -> None:
+                    with collector.capture_teacher():  # the unchanged block on the teacher's stream, inputs kept
                         teacher[i] = fwd(teacher[i], cos, sin)
                 # Batch 0 finds the block's last Linear; in a sequential pass the rest stop there (its
                 # output and what follows are recomputed with the modified block anyway).
@@ -407,8 +409,7 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
                 try:
                     with collector.attached():  # the stop hook after the collector's: stats first
                         if cfg.sequential and last is not None:
-                            stop = last.register_forward_pre_hook(
-                                lambda m, a: None if collector.capturing else _raise_stop(m, a))
+                            stop = last.register_forward_pre_hook(functools.partial(_stop_unless_capturing, collector))
                         for i in range(1, len(hidden)):
                             if teacher is not None:
                                 teacher_batch(i)

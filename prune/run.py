@@ -147,7 +147,7 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
         seconds["refit_s"] = 0.0
     refits: dict[str, dict] = {}  # the first linear of a group (or the linear) -> masked_refit's info
 
-    def pruned(name: str, W: torch.Tensor, stats: LinearStats | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def prune_and_refit(name: str, W: torch.Tensor, stats: LinearStats | None) -> tuple[torch.Tensor, torch.Tensor]:
         W_hat, keep = _prune_weight(method, W, stats, sparsity, pattern, blocksize, percdamp)
         if refit:
             t0 = time.perf_counter()
@@ -158,7 +158,7 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
     def prune_one(name: str, stats: LinearStats | None) -> None:
         t0 = time.perf_counter()
         try:
-            W_hat, keep = pruned(name, modules[name].weight.detach(), stats)
+            W_hat, keep = prune_and_refit(name, modules[name].weight.detach(), stats)
         except SmeltError as e:
             raise SmeltError(f"{name}: {e}") from None
         seconds["prune_s"] += time.perf_counter() - t0
@@ -191,7 +191,7 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
         t0 = time.perf_counter()
         W = torch.cat([lin.weight.detach() for lin in lins])
         try:
-            W_hat, keep = pruned(group[0], W, stats)
+            W_hat, keep = prune_and_refit(group[0], W, stats)
         except SmeltError as e:
             raise SmeltError(f"{group[0]} (+{len(group) - 1} sharing its input): {e}") from None
         seconds["prune_s"] += time.perf_counter() - t0
