@@ -265,7 +265,8 @@ def _parse_args(argv):
     ap.add_argument("--percdamp", type=float, default=0.01, help="Hessian dampening, fraction of mean(diag H)")
     ap.add_argument("--refit", choices=REFITS,
                     help="re-solve the kept weights to the exact optimum for the mask (sparsegpt, wanda): of the "
-                         "layer's own output (layer) or of the teacher's output at that layer (teacher)")
+                         "layer's own output (layer) or of the teacher's output at that layer (teacher; on SmolLM2 "
+                         "it broke the model: README)")
     ap.add_argument("--skip", default=",".join(DEFAULT_SKIP),
                     help="comma-separated module names, dotted prefixes or suffixes to leave dense")
     ap.add_argument("--protect", metavar="HEADS_JSON",

@@ -77,7 +77,7 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
         "heads": [f"python -m prune.heads {t} --top-k 4 --calib-windows 16 --out {run}/heads.json --png {run}/heads.png"],
         "prune": [(f"python -m prune.run {t} --method sparsegpt --pattern 2:4 --protect {run}/heads.json "
                   f"--skip output,tok_embeddings,attention.wq,attention.wk,attention.wv,attention.wo "
-                  f"--calib-windows 64 --calib-seq-len 512 --calib-forward auto --calib-corpus {MIX} "
+                  f"--calib-windows 64 --calib-seq-len 512 --calib-forward auto --calib-corpus {MIX} --refit layer "
                   f"--out {run}/pruned-2of4")],
         "recover": [(f"{launch} --config smollm2_recover --student {run}/pruned-2of4 {t} --dump_folder "
                     f"{run}/recovered-2of4-run --export_dir {run}/recovered-2of4 --training.steps 30 "
