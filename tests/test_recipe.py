@@ -58,6 +58,16 @@ def _check_memory(plan: dict, stages: list[str]) -> None:
         assert m["total"] == pytest.approx(sum(m[r] for r in ROWS), abs=0.05)
 
 
+def test_prune_refit_reaches_the_prune_command(capsys, tmp_path):
+    smol = tmp_path / "smollm2-config"
+    smol.mkdir()
+    (smol / "config.json").write_text(json.dumps(config_to_hf(FLAVORS["smollm2-135m"])))
+    _, plan = _dry_run(capsys, RECIPES / "smollm2-cpu.toml", tmp_path, "--teacher-config", smol,
+                       "--set", f"run_dir={tmp_path}/run", "--set", "stages.prune.refit=layer")
+    prune = next(s for s in plan["stages"] if s["name"] == "prune")
+    assert len(prune["commands"]) == 1 and " --refit layer --out " in prune["commands"][0]
+
+
 def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
     smol = tmp_path / "smollm2-config"
     smol.mkdir()
@@ -77,7 +87,7 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
         "heads": [f"python -m prune.heads {t} --top-k 4 --calib-windows 16 --out {run}/heads.json --png {run}/heads.png"],
         "prune": [(f"python -m prune.run {t} --method sparsegpt --pattern 2:4 --protect {run}/heads.json "
                   f"--skip output,tok_embeddings,attention.wq,attention.wk,attention.wv,attention.wo "
-                  f"--calib-windows 64 --calib-seq-len 512 --calib-forward auto --calib-corpus {MIX} --refit layer "
+                  f"--calib-windows 64 --calib-seq-len 512 --calib-forward auto --calib-corpus {MIX} "
                   f"--out {run}/pruned-2of4")],
         "recover": [(f"{launch} --config smollm2_recover --student {run}/pruned-2of4 {t} --dump_folder "
                     f"{run}/recovered-2of4-run --export_dir {run}/recovered-2of4 --training.steps 30 "
@@ -231,6 +241,7 @@ BAD = [
     (["--set", "stages.release.sparse_storage=csr"], "stages[6].sparse_storage 'csr' is not one of"),
     (["--set", "stages.verify.kernel_layers=-1"], "stages[7].kernel_layers=-1"),
     (["--set", "stages.prune.calib_forward=fp8"], "stages[2].calib_forward 'fp8' is not one of"),
+    (["--set", "stages.prune.refit=weights"], "stages[2].refit 'weights' is not one of"),
     (["--set", "eval.needle_dtype=fp8"], "eval.needle_dtype 'fp8' is not float32 or bfloat16"),
     (["--set", "stages.prune.skip=attention.wq"], "stages[2].skip='attention.wq' has the wrong type"),
     (["--set", 'stages.prune.skip=["output,attention.wq"]'], "stages[2].skip ['output,attention.wq']: each entry is one module name"),
