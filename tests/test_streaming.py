@@ -53,7 +53,10 @@ def test_streamed_file_refuses_disorder_wrong_shapes_and_an_early_close(tmp_path
 
 @pytest.mark.parametrize("method", [["--method", "sparsegpt", "--pattern", "2:4"],
                                     ["--method", "wanda", "--sparsity", "0.5"],
-                                    ["--method", "magnitude", "--pattern", "2:4"]], ids=["sparsegpt", "wanda", "mag"])
+                                    ["--method", "magnitude", "--pattern", "2:4"],
+                                    ["--method", "sparsegpt", "--pattern", "2:4", "--refit", "teacher"],
+                                    ["--method", "wanda", "--pattern", "2:4", "--refit", "layer"]],
+                         ids=["sparsegpt", "wanda", "mag", "sparsegpt-refit-teacher", "wanda-refit"])
 def test_streamed_artifact_equals_the_in_memory_one(tiny_model_dir, tmp_path, method):
     heads = tmp_path / "heads.json"  # protected rows travel through the streamed masks file too
     heads.write_text(json.dumps({"protected": [{"layer": "1", "head": 3, "why": ["sink"]}]}))
