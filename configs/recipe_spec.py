@@ -13,7 +13,7 @@ from pathlib import Path
 
 from configs.memory import read_registry
 from configs.schema import build, read_toml
-from core.calibrate import FORWARD_DTYPES, CalibConfig
+from core.calibrate import FORWARD_DTYPES, REFIT_TARGETS, CalibConfig
 from core.data import EvalConfig, SelfTextConfig
 from core.errors import SmeltError
 from core.patterns import NMPattern
@@ -383,8 +383,8 @@ def check(recipe: Recipe, registry: dict) -> None:
             NMPattern.parse(st.pattern, f"{where}.pattern")
         if isinstance(st, (PruneStage, PtqStage)) and st.calib_windows is not None and st.calib_windows < 1:
             raise SmeltError(f"{where}.calib_windows={st.calib_windows} must be >= 1")
-        if isinstance(st, PruneStage) and st.refit not in (None, "layer", "teacher"):
-            raise SmeltError(f"{where}.refit {st.refit!r} is not one of layer, teacher")
+        if isinstance(st, PruneStage) and st.refit not in (None, *REFIT_TARGETS):
+            raise SmeltError(f"{where}.refit {st.refit!r} is not one of {', '.join(REFIT_TARGETS)}")
         if isinstance(st, (PruneStage, PtqStage)) and st.calib_forward not in (None, *FORWARD_DTYPES):
             raise SmeltError(f"{where}.calib_forward {st.calib_forward!r} is not one of {', '.join(FORWARD_DTYPES)}")
         if isinstance(st, ReleaseStage) and st.dtype not in ("bfloat16", "float16", "float32"):

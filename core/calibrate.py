@@ -103,6 +103,9 @@ class CalibConfig:
 
 
 FORWARD_DTYPES = ("float32", "bfloat16", "auto")
+# What a refit of the kept weights matches (prune.run --refit): the layer's own output on the model's inputs, or
+# the teacher's output there (run_blocks' teacher_targets)
+REFIT_TARGETS = ("layer", "teacher")
 SYM_TILE = 256  # XᵀX tile width: only the tiles on and above the diagonal are formed (narrower: fewer below it)
 SQ_CHUNK = 256  # rows per Σ x² chunk: its squares stay in cache (Wanda's statistics: 12.7 -> 4.7 s against a
 # whole-batch fp64 copy; results/bench/oneshot-amd)
@@ -140,13 +143,16 @@ class LinearStats:
         self._last: torch.Tensor | None = None  # the tensor added last: a shared input is added once
         self._mirrored: torch.Tensor | None = None  # H, symmetrised from the upper tiles (cached)
         self.cross: torch.Tensor | None = None  # Σ x_d xᵀ (teacher targets), [in, in], fp64 sums
-        self._last_cross: torch.Tensor | None = None
 
     @torch.no_grad()
-    def add(self, x: torch.Tensor) -> None:
+    def add(self, x: torch.Tensor, x_teacher: torch.Tensor | None = None) -> None:
+        """One batch of this linear's inputs x; with x_teacher (the teacher's inputs to it, token for token)
+        C = X_dᵀX grows too."""
         if x is self._last:
             return
         self._last = x
+        if x_teacher is not None:
+            self._add_cross(x_teacher, x)
         x = x.detach().reshape(-1, x.shape[-1])
         if self.xtx is not None:
             xp = x.to(self.product_dtype)
@@ -168,12 +174,7 @@ class LinearStats:
             self.sq_norm.add_(chunk.to(wide).square().sum(0))
         self.n_tokens += x.shape[0]
 
-    @torch.no_grad()
-    def add_cross(self, x_teacher: torch.Tensor, x: torch.Tensor) -> None:
-        """C += X_dᵀX for one batch: the teacher's inputs to this linear and the model's, token for token."""
-        if x is self._last_cross:
-            return
-        self._last_cross = x
+    def _add_cross(self, x_teacher: torch.Tensor, x: torch.Tensor) -> None:
         xd = x_teacher.detach().reshape(-1, x_teacher.shape[-1]).to(self.product_dtype)
         xm = x.detach().reshape(-1, x.shape[-1]).to(self.product_dtype)
         if self.cross is None:
@@ -184,7 +185,7 @@ class LinearStats:
             self.cross.add_(xd.T @ xm)
 
     def end_batch(self) -> None:
-        self._last = self._last_cross = None  # drop the references: the batch's activations can be freed
+        self._last = None  # drop the reference: the batch's activations can be freed
 
     @property
     def H(self) -> torch.Tensor:
@@ -230,15 +231,13 @@ class _Collector:
                 st = next((s for s in self.stats.values() if s._last is x), None) or LinearStats(
                     module.in_features, torch.float64, x.device, self.hessian, self.product_dtype)  # fp64 sums
                 self.stats[name] = st
-            st.add(x)
-            if self.teacher_inputs is not None:
-                st.add_cross(self.teacher_inputs[name], x)
+            st.add(x, None if self.teacher_inputs is None else self.teacher_inputs[name])
             self.seconds += time.perf_counter() - t0
         return hook
 
     @contextlib.contextmanager
     def capture_teacher(self):
-        """While attached, record each selected linear's input (the teacher stream's batch) for add_cross."""
+        """While attached, record each selected linear's input (the teacher stream's batch) for C."""
         captured: dict[str, torch.Tensor] = {}
 
         def keep(name):

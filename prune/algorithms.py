@@ -209,7 +209,7 @@ def masked_refit(
     model's, so the solve also absorbs what earlier blocks' pruning did to X. The right-hand side W H_d
     becomes W C + damp·W; cross = H is the plain refit.
     Returns (Ŵ in W's dtype, exactly 0 off the mask; {iterations, rel_residual, objective_drop (the loss
-    removed, ≥ 0), and without `cross` loss_before, loss_after: tr(ΔW H_d ΔWᵀ)}).
+    removed, ≥ 0), and without `cross` loss_before, loss_after: tr(ΔW H_d ΔWᵀ), and loss_ratio}).
     """
     W, W_hat = W.detach(), W_hat.detach()
     if W.shape != W_hat.shape or keep.shape != W.shape or keep.dtype != torch.bool:
@@ -260,9 +260,10 @@ def masked_refit(
     x[worse] = W_hat.to(dt)[worse].masked_fill(~keep[worse], 0)
     after = torch.where(worse, before, after)
     info = {"iterations": it, "rel_residual": rel, "objective_drop": float((before - after).sum())}
-    if cross is None:  # the constant is w H_d wᵀ: the losses themselves
-        const = ((w @ Hd) * w).sum(1)
-        info |= {"loss_before": float((before + const).sum()), "loss_after": float((after + const).sum())}
+    if cross is None:  # the constant is w H_d wᵀ = b·w: the losses themselves
+        const = (b * w).sum(1)
+        lb, la = float((before + const).sum()), float((after + const).sum())
+        info |= {"loss_before": lb, "loss_after": la, "loss_ratio": la / lb if lb else 1.0}
     return x.masked_fill(~keep, 0).to(W.dtype), info
 
 

@@ -29,7 +29,15 @@ from torch import nn
 
 from configs.schema import build
 from core.artifact import weights_fingerprint, write_manifest
-from core.calibrate import FORWARD_DTYPES, HESSIAN_DTYPES, CalibConfig, LinearStats, run_blocks, shared_inputs
+from core.calibrate import (
+    FORWARD_DTYPES,
+    HESSIAN_DTYPES,
+    REFIT_TARGETS,
+    CalibConfig,
+    LinearStats,
+    run_blocks,
+    shared_inputs,
+)
 from core.data import EvalConfig, parse_windows
 from core.device import default_device, peak_rss_gib, release_memory
 from core.errors import ArgumentParser, SmeltError, run_cli
@@ -50,7 +58,6 @@ from prune.patterns import check_sparsity
 METHODS = ("magnitude", "wanda", "sparsegpt", "obs")
 CALIBRATED = ("wanda", "sparsegpt", "obs")
 REFITTABLE = ("wanda", "sparsegpt")  # OBS's weights are already the optimum for its mask; magnitude has no H
-REFITS = ("layer", "teacher")
 
 
 def prune_targets(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP) -> list[str]:
@@ -103,8 +110,8 @@ def check_settings(model: nn.Module, method: str, sparsity: float, pattern: NMPa
         raise SmeltError(f"blocksize={blocksize} must be a positive integer" + (f" multiple of M={m}" if m else ""))
     if not (math.isfinite(percdamp) and percdamp >= 0):
         raise SmeltError(f"percdamp={percdamp} must be a finite number >= 0 (e.g. 0.01)")
-    if refit is not None and refit not in REFITS:
-        raise SmeltError(f"refit={refit!r} is not one of {', '.join(REFITS)}")
+    if refit is not None and refit not in REFIT_TARGETS:
+        raise SmeltError(f"refit={refit!r} is not one of {', '.join(REFIT_TARGETS)}")
     if refit and method not in REFITTABLE:
         raise SmeltError(f"refit needs a method whose weights are not already optimal for its mask "
                          f"({', '.join(REFITTABLE)}), got {method!r}")
@@ -236,9 +243,8 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
     report = {"method": method, "pattern": str(pattern) if pattern else None, "sparsity": pruned / total,
               "pruned_params": pruned, "total_params": total, "per_module": per_module,
               "timings_s": {k: round(v, 3) for k, v in seconds.items()}}
-    if refit:  # per solve (a group of linears sharing an input is one); "layer": the loss tr(ΔW H_d ΔWᵀ) too
-        report["refit"] = {k: {**v, **({"loss_ratio": v["loss_after"] / v["loss_before"] if v["loss_before"] else 1.0}
-                                       if "loss_before" in v else {})} for k, v in refits.items()}
+    if refit:  # masked_refit's record per solve (a group of linears sharing an input is one)
+        report["refit"] = refits
     return masks, report
 
 
@@ -263,7 +269,7 @@ def _parse_args(argv):
                     help="XᵀX per batch in float64, float32 or bfloat16, the batches summed in float64")
     ap.add_argument("--blocksize", type=int, default=128, help="SparseGPT column block")
     ap.add_argument("--percdamp", type=float, default=0.01, help="Hessian dampening, fraction of mean(diag H)")
-    ap.add_argument("--refit", choices=REFITS,
+    ap.add_argument("--refit", choices=REFIT_TARGETS,
                     help="re-solve the kept weights to the exact optimum for the mask (sparsegpt, wanda): of the "
                          "layer's own output (layer) or of the teacher's output at that layer (teacher; on SmolLM2 "
                          "it broke the model: README)")
