@@ -309,6 +309,8 @@ def main(argv: list[str] | None = None) -> None:
     pattern = NMPattern.parse(args.pattern) if args.pattern is not None else None
     sparsity = pattern.sparsity if pattern else args.sparsity
     check_sparsity(sparsity)
+    if args.refit == "teacher" and args.no_sequential:  # the teacher's inputs would be the model's own
+        raise SmeltError("--refit teacher needs sequential calibration (drop --no-sequential)")
     cfg = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, seed=args.seed,
                       batch_size=args.calib_batch_size, sequential=not args.no_sequential,
                       corpus=args.calib_corpus, forward=args.calib_forward, hessian=args.calib_hessian)

@@ -394,6 +394,8 @@ BAD = [
     (["--method", "wanda", "--sparsity", "0.5", "--calib-corpus", "wikitext2-test"], "never be calibrated on"),
     (["--method", "wanda", "--sparsity", "0.5", "--calib-corpus", "wikitext2-valid+"], "corpus '' is unknown"),
     (["--method", "magnitude", "--pattern", "2:4", "--refit", "layer"], "refit needs a method"),
+    (["--method", "sparsegpt", "--pattern", "2:4", "--refit", "teacher", "--no-sequential"],
+     "--refit teacher needs sequential calibration"),
 ]
 
 
