@@ -42,6 +42,7 @@ from tqdm import tqdm
 
 from core.data import calibration_windows, corpus_record, is_corpus_mix, split_corpora
 from core.device import release_memory
+from core import true_sequential
 from core.errors import SmeltError
 from core.text_source import CalibrationSourceConfig, source_record
 
@@ -58,6 +59,10 @@ class CalibConfig:
     # XᵀX per batch in float64, float32 or bfloat16, summed over batches in float64. float32: 1.4x faster
     # SparseGPT / GPTQ at KL within the noise of any numerics change (README, "Speed of the one-shot stages").
     hessian: str = "float32"
+    # Each group of linears sharing an input (q/k/v, o, gate/up, down) calibrated on inputs through the groups
+    # of its block already changed (GPTQ's --true-sequential order), in one forward pass per block instead of
+    # a statistics pass and an output pass (core.true_sequential); more activations live at once.
+    true_sequential: bool = False
 
     def __post_init__(self):
         for name, lo in (("n_windows", 1), ("seq_len", 2), ("seed", 0), ("batch_size", 1)):
@@ -73,6 +78,11 @@ class CalibConfig:
             CalibrationSourceConfig(source=self.corpus)  # a path or hub dataset: checked the same way
         if not isinstance(self.sequential, bool):
             raise SmeltError(f"calibration sequential={self.sequential!r} must be true or false")
+        if not isinstance(self.true_sequential, bool):
+            raise SmeltError(f"calibration true_sequential={self.true_sequential!r} must be true or false")
+        if self.true_sequential and not self.sequential:
+            raise SmeltError("calibration true_sequential=true needs sequential=true (inputs through the changed "
+                             "linears)")
         if self.forward not in FORWARD_DTYPES:
             raise SmeltError(f"calibration forward={self.forward!r} is not one of {', '.join(FORWARD_DTYPES)}")
         if self.hessian not in HESSIAN_DTYPES:
@@ -220,19 +230,21 @@ class _Collector:
         self.teacher_inputs: dict[str, torch.Tensor] | None = None  # this batch's, set by capture_teacher
         self.capturing = False  # a teacher-stream forward: no statistics, no stop
 
+    def add(self, name: str, x: torch.Tensor) -> None:
+        """One batch of `name`'s inputs."""
+        t0 = time.perf_counter()
+        st = self.stats.get(name)
+        if st is None:  # first batch: share the stats of a linear that already saw this tensor
+            st = next((s for s in self.stats.values() if s._last is x), None) or LinearStats(
+                self.linears[name].in_features, torch.float64, x.device, self.hessian, self.product_dtype)
+            self.stats[name] = st  # fp64 sums
+        st.add(x, None if self.teacher_inputs is None else self.teacher_inputs[name])
+        self.seconds += time.perf_counter() - t0
+
     def _hook(self, name: str):
         def hook(module: nn.Linear, args):
-            if self.capturing:
-                return
-            t0 = time.perf_counter()
-            x = args[0]
-            st = self.stats.get(name)
-            if st is None:  # first batch: share the stats of a linear that already saw this tensor
-                st = next((s for s in self.stats.values() if s._last is x), None) or LinearStats(
-                    module.in_features, torch.float64, x.device, self.hessian, self.product_dtype)  # fp64 sums
-                self.stats[name] = st
-            st.add(x, None if self.teacher_inputs is None else self.teacher_inputs[name])
-            self.seconds += time.perf_counter() - t0
+            if not self.capturing:
+                self.add(name, args[0])
         return hook
 
     @contextlib.contextmanager
@@ -322,17 +334,47 @@ def _last_linear(block: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torc
     return (order[-1] if order else None), out
 
 
+def _true_sequential_block(prefix: str, block: nn.Module, fwd: nn.Module, hidden: list[torch.Tensor],
+                           cos: torch.Tensor, sin: torch.Tensor, collector: _Collector, on_block: OnBlock,
+                           seconds: dict[str, float]) -> None:
+    """One block, true-sequential: each group's statistics, on_block on them, the group's new weights into
+    `fwd`, one forward pass in all; `hidden` becomes the changed block's outputs."""
+    t0, changing = time.perf_counter(), 0.0
+    full = {n.removeprefix(prefix + "."): n for n in collector.linears}
+    # One window finds the order the linears run in and which share an input.
+    groups = true_sequential.linear_groups(fwd, hidden[0][:1], cos, sin, full.__contains__)
+
+    def change(group: list[str]) -> None:
+        nonlocal changing
+        t1 = time.perf_counter()
+        shared = collector.stats[full[group[0]]]
+        shared.end_batch()
+        on_block(prefix, block, {full[n]: shared for n in group})
+        if fwd is not block:  # the changed weights, in the forward dtype
+            for n in group:
+                for a, b in zip(fwd.get_submodule(n).parameters(), block.get_submodule(n).parameters(), strict=True):
+                    a.copy_(b)
+        changing += time.perf_counter() - t1
+
+    true_sequential.run_block(fwd, hidden, cos, sin, groups, lambda n, x: collector.add(full[n], x), change)
+    seconds["on_block_s"] += changing
+    seconds["stats_s"] += collector.seconds
+    seconds["forward_s"] += time.perf_counter() - t0 - changing - collector.seconds
+
+
 @torch.no_grad()
 def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock, cfg: CalibConfig,
                targets: Callable[[str], bool] | Collection[str] | None = None, hessian: bool = True,
-               progress: bool = True, stream: BlockStream | None = None, teacher_targets: bool = False
-               ) -> dict[str, float]:
+               progress: bool = True, stream: BlockStream | None = None, teacher_targets: bool = False,
+               block_done: Callable[[str], None] | None = None) -> dict[str, float]:
     """Run `windows` [n, seq_len] through the model block by block, in layer order.
 
     For each block `layers.K`: a statistics pass runs the block on its inputs (in batches of
     cfg.batch_size) with hooks on the selected linears (`targets`: full module names such as
     "layers.3.feed_forward.w1", or a predicate; None = all); then `on_block("layers.K", block, stats)`
-    may modify the block in place, stats being {full linear name: LinearStats}; then the next block's
+    may modify the block in place, stats being {full linear name: LinearStats} (with cfg.true_sequential:
+    once per group of linears sharing an input, in the order they run, each group's inputs computed through
+    the groups before it as changed); then `block_done("layers.K")`, if given; then the next block's
     inputs are the block's outputs: recomputed with the modified block when cfg.sequential, else the
     statistics pass's (unmodified) outputs, with no extra forward. Blocks without a selected linear are
     still passed to on_block (with {}). With cfg.forward resolving to a dtype other than the block's, the
@@ -347,6 +389,9 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
     """
     if windows is None or windows.numel() == 0:
         raise SmeltError("no calibration data: run_blocks needs at least one window")
+    if teacher_targets and cfg.true_sequential:
+        raise SmeltError("teacher targets need the unchanged block's inputs to every linear: use them without "
+                         "true_sequential calibration")
     if teacher_targets and not (cfg.sequential and hessian):
         raise SmeltError("teacher targets need sequential calibration with the Hessian (the model's inputs "
                          "differ from the teacher's only when earlier blocks were changed)")
@@ -389,7 +434,9 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
             linears = {f"{prefix}.{n}": m for n, m in fwd.named_modules()
                        if isinstance(m, nn.Linear) and selected(f"{prefix}.{n}")}
             collector = _Collector(linears, hessian, product)
-            if linears or not cfg.sequential:
+            if cfg.true_sequential and linears:
+                _true_sequential_block(prefix, block, fwd, hidden, cos, sin, collector, on_block, seconds)
+            elif linears or not cfg.sequential:
                 t0 = time.perf_counter()
 
                 def teacher_batch(i: int, fwd=fwd, collector=collector) -> None:
@@ -425,11 +472,12 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
                         stop.remove()
                 seconds["forward_s"] += time.perf_counter() - t0 - collector.seconds
                 seconds["stats_s"] += collector.seconds
-            t0 = time.perf_counter()
-            on_block(prefix, block, collector.stats)
-            seconds["on_block_s"] += time.perf_counter() - t0
+            if not (cfg.true_sequential and linears):
+                t0 = time.perf_counter()
+                on_block(prefix, block, collector.stats)
+                seconds["on_block_s"] += time.perf_counter() - t0
             del collector  # free this block's statistics before the next block's
-            if cfg.sequential:
+            if cfg.sequential and not (cfg.true_sequential and linears):
                 t0 = time.perf_counter()
                 if fwd is not block:  # the modified weights, in the forward dtype
                     for a, b in zip(fwd.parameters(), block.parameters(), strict=True):
@@ -437,6 +485,8 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
                 for i, h in enumerate(hidden):
                     hidden[i] = fwd(h, cos, sin)
                 seconds["forward_s"] += time.perf_counter() - t0
+            if block_done is not None:
+                block_done(prefix)
             if stream is not None:
                 del fwd
                 stream.release(prefix, block)

@@ -143,7 +143,7 @@ def linear_groups(cfg: LlamaConfig) -> list[tuple[int, int]]:
 
 
 def footprint(cfg: LlamaConfig, n_windows: int, seq_len: int, batch_size: int, forward_bytes: int,
-              hessian: bool, refit: str | None = None) -> dict[str, int]:
+              hessian: bool, refit: str | None = None, true_sequential: bool = False) -> dict[str, int]:
     """Bytes a streamed calibration holds at its peak, by part (an estimate from the shapes; the interpreter
     and libraries come on top). Two phases: embedding the windows, then one block at a time."""
     d, f, h = cfg.dim, cfg.ffn_hidden, cfg.n_heads
@@ -152,6 +152,9 @@ def footprint(cfg: LlamaConfig, n_windows: int, seq_len: int, batch_size: int, f
     if refit == "teacher":  # the teacher's stream of activations next to the model's
         activations *= 2
     batch = batch_size * seq_len * (6 * d + 3 * f + h * seq_len) * 4  # one batch's temporaries
+    if true_sequential:  # every batch parked at once: at wo (norm, q, k and v repeated, attention out: 5 d
+        # per token) or at w2 (h, its norm, the down input: 2 d + f)
+        batch += n_windows * seq_len * max(5 * d, 2 * d + f) * forward_bytes
     groups = linear_groups(cfg)
     stats = sum(i * i * 12 if hessian else i * 8 for i, _ in groups)  # fp64 sums + one fp32 product
     if refit == "teacher":  # X_dᵀX: fp64 sums + one fp32 product
@@ -167,13 +170,14 @@ def footprint(cfg: LlamaConfig, n_windows: int, seq_len: int, batch_size: int, f
 
 
 def check_memory(stream: StreamedModel, limit_gib: float, n_windows: int, seq_len: int, batch_size: int,
-                 forward_dtype: torch.dtype, hessian: bool, refit: str | None = None) -> dict:
+                 forward_dtype: torch.dtype, hessian: bool, refit: str | None = None,
+                 true_sequential: bool = False) -> dict:
     """The streamed calibration's estimated footprint, refused (one line) when it exceeds the limit
     (--max-memory); returns what a manifest records."""
     if not limit_gib > 0:
         raise SmeltError(f"--max-memory {limit_gib} must be a positive number of GiB")
     need = footprint(stream.cfg, n_windows, seq_len, batch_size, torch.empty((), dtype=forward_dtype).element_size(),
-                     hessian, refit)
+                     hessian, refit, true_sequential)
     if need["total"] > limit_gib * 2**30:
         parts = ", ".join(f"{k.replace('_', ' ')} {v / 2**30:.3f}" for k, v in need.items()
                           if k not in ("total", "embedding_phase", "block_phase"))

@@ -213,6 +213,8 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
             else:
                 for name in group:
                     prune_one(name, stats[name])
+
+    def block_done(block_name: str) -> None:
         if write_masks is not None:  # streamed: this block's masks leave now, not at the end
             write_masks({n: masks.pop(n) for n in list(masks) if n.startswith(block_name + ".")})
 
@@ -224,14 +226,15 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
             # reconstruction error is reported for it either.
             ran = run_blocks(model, windows, on_block, cfg, targets=set(targets), progress=progress,
                              hessian=method != "wanda" or bool(refit), stream=stream,
-                             teacher_targets=refit == "teacher")
+                             teacher_targets=refit == "teacher",
+                             block_done=block_done)
             seconds["forward_s"], seconds["stats_s"] = ran["forward_s"], ran["stats_s"]
         elif stream is not None:  # magnitude, streamed: each block loaded, pruned, written, freed
             for key, block in model.layers.items():
                 stream.load(f"layers.{key}", block)
                 for name in (n for n in targets if n.startswith(f"layers.{key}.")):
                     prune_one(name, None)
-                on_block(f"layers.{key}", block, {})
+                block_done(f"layers.{key}")
                 stream.release(f"layers.{key}", block)
         else:
             for name in targets:
@@ -279,6 +282,9 @@ def _parse_args(argv):
                     help="prune.heads JSON: leave its protected heads' wq/wk/wv rows dense (declared in the masks)")
     ap.add_argument("--no-sequential", action="store_true",
                     help="calibrate every block on the dense model's activations (one forward per block)")
+    ap.add_argument("--calib-true-sequential", action="store_true",
+                    help="calibrate each group of a block's linears on inputs through the groups already pruned "
+                         "(one forward per block; more activations held)")
     ap.add_argument("--max-memory", type=float, metavar="GIB",
                     help="stream the model: blocks read from the checkpoint one at a time and the artifact "
                          "written block by block, refused unless the calibration's estimated footprint fits GIB")
@@ -311,9 +317,14 @@ def main(argv: list[str] | None = None) -> None:
     check_sparsity(sparsity)
     if args.refit == "teacher" and args.no_sequential:  # the teacher's inputs would be the model's own
         raise SmeltError("--refit teacher needs sequential calibration (drop --no-sequential)")
+    if args.refit == "teacher" and args.calib_true_sequential:  # the teacher stream runs unchanged blocks whole
+        raise SmeltError("--refit teacher needs the block-at-a-time order (drop --calib-true-sequential)")
+    if args.no_sequential and args.calib_true_sequential:
+        raise SmeltError("--calib-true-sequential needs sequential calibration (drop --no-sequential)")
     cfg = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, seed=args.seed,
                       batch_size=args.calib_batch_size, sequential=not args.no_sequential,
-                      corpus=args.calib_corpus, forward=args.calib_forward, hessian=args.calib_hessian)
+                      corpus=args.calib_corpus, forward=args.calib_forward, hessian=args.calib_hessian,
+                      true_sequential=args.calib_true_sequential)
     skip = tuple(s.strip() for s in args.skip.split(",") if s.strip())
     eval_overrides = {"batch_size": args.eval_batch_size}
     if args.eval_windows:
@@ -336,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
     targets = check_settings(model, args.method, sparsity, pattern, skip, args.blocksize, args.percdamp, args.refit)
     need = check_memory(stream, args.max_memory, cfg.n_windows if calibrated else 0, cfg.seq_len, cfg.batch_size,
                         cfg.forward_dtype(stream.device), hessian=args.method in ("sparsegpt", "obs") or bool(args.refit),
-                        refit=args.refit) if stream else None
+                        refit=args.refit, true_sequential=cfg.true_sequential) if stream else None
     dense = {}
     if args.protect:
         c = model.cfg

@@ -96,9 +96,8 @@ def quantize_model(model, method: str, spec: QuantSpec, masks: dict, windows: to
         def on_block(block_name, block, stats):
             for group in shared_inputs(stats):
                 quantize_group(group, stats[group[0]].H)
-            block_done(block_name)
         seconds.update(run_blocks(model, windows, on_block, calib or CalibConfig(), targets=set(names),
-                                  progress=progress, stream=stream))
+                                  progress=progress, stream=stream, block_done=block_done))
     else:
         raise SmeltError(f"--method {method!r} is not one of rtn, gptq")
     return qparams, {"modules": len(names), "seconds": seconds}
@@ -126,6 +125,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="block forward dtype (auto: bf16 where AMX/avx512-bf16 or a GPU has it)")
     ap.add_argument("--calib-hessian", default=CalibConfig.hessian, choices=HESSIAN_DTYPES,
                     help="XᵀX per batch in float64, float32 or bfloat16, the batches summed in float64")
+    ap.add_argument("--calib-true-sequential", action="store_true",
+                    help="calibrate each group of a block's linears on inputs through the groups already quantized "
+                         "(one forward per block; more activations held)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--overwrite", action="store_true")
     ap.add_argument("--skip", default=",".join(DEFAULT_SKIP),
@@ -145,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     calib, windows = None, None
     if args.method == "gptq":  # validated before any weights load
         calib = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, seed=args.seed,
-                            corpus=args.calib_corpus, forward=args.calib_forward, hessian=args.calib_hessian)
+                            corpus=args.calib_corpus, forward=args.calib_forward, hessian=args.calib_hessian,
+                            true_sequential=args.calib_true_sequential)
     teacher_dir = resolve_teacher(args.teacher)
     src = Path(args.artifact) if args.artifact else teacher_dir
     device = default_device()  # calibration on the GPU when one is present
@@ -159,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     if stream is not None:
         need = check_memory(stream, args.max_memory, calib.n_windows if calib else 0, args.calib_seq_len,
                             calib.batch_size if calib else 1,
-                            calib.forward_dtype(device) if calib else torch.float32, hessian=calib is not None)
+                            calib.forward_dtype(device) if calib else torch.float32, hessian=calib is not None,
+                            true_sequential=calib is not None and calib.true_sequential)
     if calib is not None:
         windows = calib.windows(tokenizer)
 

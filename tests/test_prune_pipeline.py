@@ -396,6 +396,10 @@ BAD = [
     (["--method", "magnitude", "--pattern", "2:4", "--refit", "layer"], "refit needs a method"),
     (["--method", "sparsegpt", "--pattern", "2:4", "--refit", "teacher", "--no-sequential"],
      "--refit teacher needs sequential calibration"),
+    (["--method", "sparsegpt", "--pattern", "2:4", "--refit", "teacher", "--calib-true-sequential"],
+     "--refit teacher needs the block-at-a-time order"),
+    (["--method", "wanda", "--pattern", "2:4", "--no-sequential", "--calib-true-sequential"],
+     "--calib-true-sequential needs sequential calibration"),
 ]
 
 

@@ -55,8 +55,9 @@ def test_streamed_file_refuses_disorder_wrong_shapes_and_an_early_close(tmp_path
                                     ["--method", "wanda", "--sparsity", "0.5"],
                                     ["--method", "magnitude", "--pattern", "2:4"],
                                     ["--method", "sparsegpt", "--pattern", "2:4", "--refit", "teacher"],
-                                    ["--method", "wanda", "--pattern", "2:4", "--refit", "layer"]],
-                         ids=["sparsegpt", "wanda", "mag", "sparsegpt-refit-teacher", "wanda-refit"])
+                                    ["--method", "wanda", "--pattern", "2:4", "--refit", "layer"],
+                                    ["--method", "sparsegpt", "--pattern", "2:4", "--calib-true-sequential"]],
+                         ids=["sparsegpt", "wanda", "mag", "sparsegpt-refit-teacher", "wanda-refit", "sparsegpt-ts"])
 def test_streamed_artifact_equals_the_in_memory_one(tiny_model_dir, tmp_path, method):
     heads = tmp_path / "heads.json"  # protected rows travel through the streamed masks file too
     heads.write_text(json.dumps({"protected": [{"layer": "1", "head": 3, "why": ["sink"]}]}))
@@ -111,16 +112,20 @@ def test_footprint_is_linear_in_windows_and_names_its_parts():
     assert b["activations"] == 2 * a["activations"] and b["block_weights"] == a["block_weights"]
     assert b["block_phase"] - a["block_phase"] == a["activations"]
     assert footprint(cfg, 64, 512, 8, 4, hessian=False)["statistics"] < a["statistics"]
+    # true-sequential: every batch parked at once, 5 d floats per token at wo for SmolLM2 (5 d > 2 d + f)
+    ts = footprint(cfg, 64, 512, 8, 4, hessian=True, true_sequential=True)
+    assert ts["batch_temporaries"] - a["batch_temporaries"] == 64 * 512 * 5 * cfg.dim * 4
 
 
-@pytest.mark.parametrize("method", ["gptq", "rtn"])
+@pytest.mark.parametrize("method", [["gptq"], ["rtn"], ["gptq", "--calib-true-sequential"]],
+                         ids=["gptq", "rtn", "gptq-ts"])
 def test_streamed_ptq_equals_the_in_memory_one_and_keeps_the_masks(tiny_model_dir, tmp_path, method):
     from qat.ptq import main as ptq
 
     pruned = tmp_path / "pruned"
     run_cli(lambda: main(["--teacher", str(tiny_model_dir), "--method", "magnitude", "--pattern", "2:4",
                           "--out", str(pruned)]))
-    common = ["--teacher", str(tiny_model_dir), "--artifact", str(pruned), "--method", method,
+    common = ["--teacher", str(tiny_model_dir), "--artifact", str(pruned), "--method", *method,
               "--group-size", "32", "--calib-windows", "4", "--calib-seq-len", "64"]
     run_cli(lambda: ptq([*common, "--out", str(tmp_path / "mem")]))
     run_cli(lambda: ptq([*common, "--out", str(tmp_path / "stream"), "--max-memory", "0.05"]))
