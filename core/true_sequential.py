@@ -6,22 +6,18 @@ block's linears group by group (q/k/v, then o, then gate/up, then down), each on
 groups already changed. That order needs each linear's output once, after its change, so one forward pass is
 enough, provided every batch can stop at a group's input until all batches have reached it and the group has
 been changed. The block stays a black box here (any nn.Module, streamed or not): each batch's forward runs in its
-own thread and a forward pre-hook parks it there. Threads hand a baton: exactly one of them (or the engine) runs
-at any time, so torch's intra-op threads are never shared and the results are deterministic. The price is
-memory: every batch's activations up to the parked linear live at once (about 2.1 × dim + hidden floats per
-token at the down projection of a Llama block).
+own greenlet and a forward pre-hook switches back to the engine there. Greenlets, not threads: one OS thread
+keeps one OpenMP team (a parked thread per batch made the main thread's small parallel regions, the OBS
+sweeps, up to 2.7x slower on 2 cores). The price is memory: every batch's activations up to the parked linear
+live at once (models.streamed.footprint counts them).
 """
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import torch
+from greenlet import greenlet, getcurrent
 from torch import nn
-
-
-class _Abort(BaseException):
-    """Raised in a parked batch's thread when the engine gives up (an error elsewhere): unwinds it quietly."""
 
 
 def linear_groups(block: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -56,67 +52,35 @@ def run_block(fwd: nn.Module, hidden: list[torch.Tensor], cos: torch.Tensor, sin
     modifies the group (and `fwd`'s copy of it) before any batch computes its output."""
     modules = dict(fwd.named_modules())
     first = {g[0]: k for k, g in enumerate(groups)}
-    state = {"stage": 0, "abort": False}  # stage: index of the group being collected
-    go = [threading.Semaphore(0) for _ in hidden]
-    back = threading.Semaphore(0)
-    local = threading.local()
-    outputs: list[torch.Tensor | None] = [None] * len(hidden)
-    errors: list[BaseException | None] = [None] * len(hidden)
-    finished = [False] * len(hidden)
+    stage = [0]  # the group being collected
+    engine = getcurrent()
 
     def park(name: str):
         def hook(module, args):
-            if first.get(name) != state["stage"] or not hasattr(local, "index"):
-                return  # a group already changed (or a linear sharing its input): run through
-            collect(name, args[0])
-            back.release()
-            go[local.index].acquire()
-            if state["abort"]:
-                raise _Abort
+            if first[name] == stage[0] and getcurrent() is not engine:  # else: already changed, run through
+                collect(name, args[0])
+                engine.switch()
         return hook
 
-    def batch(i: int) -> None:
-        local.index = i
-        go[i].acquire()
-        try:
-            if not state["abort"]:
-                with torch.no_grad():
-                    outputs[i] = fwd(hidden[i], cos, sin)
-        except BaseException as e:  # noqa: BLE001 - handed to the engine's thread
-            errors[i] = e
-        finally:
-            del local.index
-            finished[i] = True
-            back.release()
-
-    def advance() -> None:
-        """Let each unfinished batch run to its next stop, one at a time."""
-        for i in (i for i, f in enumerate(finished) if not f):
-            go[i].release()
-            back.acquire()
-            if errors[i] is not None and not isinstance(errors[i], _Abort):
-                raise errors[i]
+    def batch(i: int) -> torch.Tensor:
+        with torch.no_grad():
+            return fwd(hidden[i], cos, sin)
 
     handles = [modules[g[0]].register_forward_pre_hook(park(g[0])) for g in groups]
-    threads = [threading.Thread(target=batch, args=(i,), daemon=True, name=f"calibrate-batch-{i}")
-               for i in range(len(hidden))]
-    for t in threads:
-        t.start()
+    batches = [greenlet(lambda i=i: batch(i)) for i in range(len(hidden))]
     try:
-        for stage, group in enumerate(groups):
-            state["stage"] = stage
-            advance()
-            change(group)
-        state["stage"] = len(groups)
-        advance()
-        for i, out in enumerate(outputs):
-            hidden[i] = out
+        for stage[0] in range(len(groups) + 1):  # the last round runs every batch to its output
+            for i, g in enumerate(batches):
+                if g.dead:  # finished in an earlier round (it reached no further group)
+                    continue
+                out = g.switch()  # errors raised in a batch come out here
+                if g.dead:
+                    hidden[i] = out
+            if stage[0] < len(groups):
+                change(groups[stage[0]])
     finally:
-        state["abort"] = True
-        for i in (i for i, f in enumerate(finished) if not f):  # parked or not started: wake it to unwind
-            go[i].release()
-            back.acquire()
-        for t in threads:
-            t.join()
+        for g in batches:
+            if not g.dead:
+                g.throw()  # GreenletExit at its parked hook: the forward unwinds, its activations are freed
         for handle in handles:
             handle.remove()

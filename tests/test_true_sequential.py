@@ -1,13 +1,14 @@
 """True-sequential calibration (core.true_sequential): every linear's statistics equal brute force on the final
-changed model, in one forward pass per block; on_block per group in execution order; errors unwind the threads."""
+changed model, in one forward pass per block; on_block per group in execution order; errors unwind every parked batch."""
 from __future__ import annotations
 
 import copy
-import threading
+import gc
 
 import pytest
 import torch
 from conftest import tiny_config
+from greenlet import getcurrent, greenlet
 from test_prune_pipeline import EXACT, PROBE, captured_inputs, collect
 
 from core.calibrate import CalibConfig, bf16_is_fast, run_blocks
@@ -15,8 +16,10 @@ from core.errors import SmeltError
 from models.llama import build_model
 
 
-def _batch_threads():
-    return [t for t in threading.enumerate() if t.name.startswith("calibrate-batch")]
+def _parked_batches():
+    """Batch forwards still suspended somewhere (greenlets neither finished nor unwound)."""
+    gc.collect()
+    return [g for g in gc.get_objects() if type(g) is greenlet and not g.dead and g is not getcurrent()]
 
 
 def _windows(n=5, seq=16, seed=0):
@@ -45,7 +48,7 @@ def test_each_linear_sees_its_inputs_through_the_groups_already_changed():
               ["feed_forward.w1", "feed_forward.w3"], ["feed_forward.w2"]]
     assert order == groups * len(model.layers)
     assert done == [f"layers.{k}" for k in model.layers]
-    assert not _batch_threads()  # every batch's thread is gone
+    assert not _parked_batches()  # every batch's forward finished or unwound
     for name, (H, n_tokens) in got.items():
         X = captured_inputs(model, windows, name)
         assert n_tokens == 5 * 16
@@ -75,19 +78,28 @@ def test_bf16_forwards_run_each_group_with_its_changed_weights():
         assert float(H[f"layers.{key}.feed_forward.w1"].abs().max()) > 0  # the residual stream still flows
 
 
-def test_an_error_while_changing_a_group_unwinds_every_batch():
+@pytest.mark.parametrize("where", ["change", "forward"])
+def test_an_error_while_changing_a_group_or_in_a_batch_unwinds_every_batch(where):
     model = build_model(tiny_config(max_seq_len=64), seed=5).eval()
     calls = []
 
     def on_block(block_name, block, stats):
         calls.append(sorted(stats))
-        if len(calls) == 2:
+        if where == "change" and len(calls) == 2:
             raise SmeltError("layers.0.attention.wo: refused")
-    with pytest.raises(SmeltError, match="wo: refused"):
+    seen = []
+
+    def fail_third_batch(module, args):  # a batch's forward failing past a parked group
+        seen.append(1)
+        if len(seen) == 3:
+            raise RuntimeError("batch 2 failed in w2")
+    if where == "forward":
+        model.layers["0"].feed_forward.w2.register_forward_pre_hook(fail_third_batch)
+    with pytest.raises((SmeltError, RuntimeError), match="wo: refused" if where == "change" else "batch 2 failed"):
         run_blocks(model, _windows(6, 16), on_block,
                    CalibConfig(n_windows=6, seq_len=16, batch_size=1, true_sequential=True), progress=False)
-    assert len(calls) == 2
-    assert not _batch_threads()
+    assert len(calls) == (2 if where == "change" else 3)  # the batch fails on its way to w2's change
+    assert not _parked_batches()
 
 
 def test_settings_that_cannot_go_together_are_refused():
