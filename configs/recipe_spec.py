@@ -75,6 +75,7 @@ class PruneStage(Stage):            # prune.run on the teacher
     calib_windows: int | None = None  # None: the CLI's default (core.calibrate.CalibConfig)
     calib_seq_len: int | None = None
     calib_forward: str | None = None  # block forward dtype (core.calibrate.FORWARD_DTYPES); None: float32
+    calib_true_sequential: bool = False  # one forward pass per block, each group on the pruned ones' outputs
     refit: str | None = None        # kept weights re-solved for the mask (prune.run --refit layer|teacher); None: off
     evaluate: bool = True
 
@@ -131,6 +132,7 @@ class PtqStage(Stage):              # qat.ptq
     calib_windows: int | None = None  # None: qat.ptq's default (128 x 512, as CalibConfig's)
     calib_seq_len: int | None = None
     calib_forward: str | None = None
+    calib_true_sequential: bool = False
     evaluate: bool = True
 
 
@@ -385,6 +387,9 @@ def check(recipe: Recipe, registry: dict) -> None:
             raise SmeltError(f"{where}.calib_windows={st.calib_windows} must be >= 1")
         if isinstance(st, PruneStage) and st.refit not in (None, *REFIT_TARGETS):
             raise SmeltError(f"{where}.refit {st.refit!r} is not one of {', '.join(REFIT_TARGETS)}")
+        if isinstance(st, PruneStage) and st.refit == "teacher" and st.calib_true_sequential:
+            raise SmeltError(f"{where}: refit = \"teacher\" needs calib_true_sequential = false (the teacher's "
+                             "stream runs each block unchanged)")
         if isinstance(st, (PruneStage, PtqStage)) and st.calib_forward not in (None, *FORWARD_DTYPES):
             raise SmeltError(f"{where}.calib_forward {st.calib_forward!r} is not one of {', '.join(FORWARD_DTYPES)}")
         if isinstance(st, ReleaseStage) and st.dtype not in ("bfloat16", "float16", "float32"):

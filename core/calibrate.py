@@ -12,7 +12,8 @@ token, x_d, from a second stream of activations that runs the blocks as they wer
                        the teacher's own output there, which also undoes what earlier blocks' changes did to X
 
 Memory: one block's inputs (n_windows × seq_len × dim), one batch's activations and one block's
-statistics at a time; the whole model's activations are never held.
+statistics at a time; the whole model's activations are never held. `true_sequential` (one forward pass per
+block instead of two, core.true_sequential) holds every batch's activations inside the block at once.
 
 Precision (CalibConfig, measured in the README's time/quality table):
 - `hessian`: "float64" forms every batch's XᵀX in fp64 (the reference; fp64 matmul costs ~2.5x fp32 on

@@ -58,14 +58,18 @@ def _check_memory(plan: dict, stages: list[str]) -> None:
         assert m["total"] == pytest.approx(sum(m[r] for r in ROWS), abs=0.05)
 
 
-def test_prune_refit_reaches_the_prune_command(capsys, tmp_path):
+def test_prune_refit_and_true_sequential_reach_their_commands(capsys, tmp_path):
     smol = tmp_path / "smollm2-config"
     smol.mkdir()
     (smol / "config.json").write_text(json.dumps(config_to_hf(FLAVORS["smollm2-135m"])))
     _, plan = _dry_run(capsys, RECIPES / "smollm2-cpu.toml", tmp_path, "--teacher-config", smol,
-                       "--set", f"run_dir={tmp_path}/run", "--set", "stages.prune.refit=layer")
+                       "--set", f"run_dir={tmp_path}/run", "--set", "stages.prune.refit=layer",
+                       "--set", "stages.quantize.calib_true_sequential=true")
     prune = next(s for s in plan["stages"] if s["name"] == "prune")
     assert len(prune["commands"]) == 1 and " --refit layer --out " in prune["commands"][0]
+    assert "--calib-true-sequential" not in prune["commands"][0]
+    gptq = next(s for s in plan["stages"] if s["name"] == "quantize")
+    assert " --calib-true-sequential " in gptq["commands"][0]
 
 
 def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
@@ -242,6 +246,9 @@ BAD = [
     (["--set", "stages.verify.kernel_layers=-1"], "stages[7].kernel_layers=-1"),
     (["--set", "stages.prune.calib_forward=fp8"], "stages[2].calib_forward 'fp8' is not one of"),
     (["--set", "stages.prune.refit=weights"], "stages[2].refit 'weights' is not one of"),
+    (["--set", "stages.prune.refit=teacher", "--set", "stages.prune.calib_true_sequential=true"],
+     "stages[2]: refit = \"teacher\" needs calib_true_sequential = false"),
+    (["--set", "stages.quantize.calib_true_sequential=1"], "stages[4].calib_true_sequential=1 has the wrong type"),
     (["--set", "eval.needle_dtype=fp8"], "eval.needle_dtype 'fp8' is not float32 or bfloat16"),
     (["--set", "stages.prune.skip=attention.wq"], "stages[2].skip='attention.wq' has the wrong type"),
     (["--set", 'stages.prune.skip=["output,attention.wq"]'], "stages[2].skip ['output,attention.wq']: each entry is one module name"),
