@@ -41,9 +41,9 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from core import true_sequential
 from core.data import calibration_windows, corpus_record, is_corpus_mix, split_corpora
 from core.device import release_memory
-from core import true_sequential
 from core.errors import SmeltError
 from core.text_source import CalibrationSourceConfig, source_record
 

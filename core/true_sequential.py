@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from greenlet import greenlet, getcurrent
+from greenlet import getcurrent, greenlet
 from torch import nn
 
 
