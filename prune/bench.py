@@ -1,7 +1,7 @@
 """Benchmark: pruning wall time and peak RSS, with where the time goes.
 
     python -m prune.bench [--teacher smollm2-135m --method sparsegpt --pattern 2:4 --calib-windows 128]
-                          [--calib-forward float32 --calib-hessian float64] [--json OUT]
+                          [--calib-forward float32 --calib-hessian float64] [--calib-true-sequential] [--json OUT]
 
 Runs prune.run.prune_model once (no artifact written, no evaluation) and prints wall time, peak resident
 memory of the process (target for SparseGPT 2:4 on SmolLM2 with 128 x 512 windows: <= 3 GiB, since
@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--calib-seq-len", type=int, default=512)
     ap.add_argument("--calib-forward", default=CalibConfig.forward, choices=FORWARD_DTYPES)
     ap.add_argument("--calib-hessian", default=CalibConfig.hessian, choices=HESSIAN_DTYPES)
+    ap.add_argument("--calib-true-sequential", action="store_true", help="one forward pass per block (README)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
     pattern = NMPattern.parse(args.pattern) if args.pattern else None
@@ -41,7 +42,7 @@ def main() -> None:
     t0 = time.perf_counter()
     model = load_hf(teacher_dir, device=str(default_device()))  # the GPU when one is present
     cfg = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, forward=args.calib_forward,
-                      hessian=args.calib_hessian)
+                      hessian=args.calib_hessian, true_sequential=args.calib_true_sequential)
     windows = cfg.windows(load_tokenizer(teacher_dir))
     t_load = time.perf_counter() - t0
     _, report = prune_model(model, windows, args.method, args.sparsity, pattern, cfg=cfg)
