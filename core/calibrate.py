@@ -335,34 +335,6 @@ def _last_linear(block: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torc
     return (order[-1] if order else None), out
 
 
-def _true_sequential_block(prefix: str, block: nn.Module, fwd: nn.Module, hidden: list[torch.Tensor],
-                           cos: torch.Tensor, sin: torch.Tensor, collector: _Collector, on_block: OnBlock,
-                           seconds: dict[str, float]) -> None:
-    """One block, true-sequential: each group's statistics, on_block on them, the group's new weights into
-    `fwd`, one forward pass in all; `hidden` becomes the changed block's outputs."""
-    t0, changing = time.perf_counter(), 0.0
-    full = {n.removeprefix(prefix + "."): n for n in collector.linears}
-    # One window finds the order the linears run in and which share an input.
-    groups = true_sequential.linear_groups(fwd, hidden[0][:1], cos, sin, full.__contains__)
-
-    def change(group: list[str]) -> None:
-        nonlocal changing
-        t1 = time.perf_counter()
-        shared = collector.stats[full[group[0]]]
-        shared.end_batch()
-        on_block(prefix, block, {full[n]: shared for n in group})
-        if fwd is not block:  # the changed weights, in the forward dtype
-            for n in group:
-                for a, b in zip(fwd.get_submodule(n).parameters(), block.get_submodule(n).parameters(), strict=True):
-                    a.copy_(b)
-        changing += time.perf_counter() - t1
-
-    true_sequential.run_block(fwd, hidden, cos, sin, groups, lambda n, x: collector.add(full[n], x), change)
-    seconds["on_block_s"] += changing
-    seconds["stats_s"] += collector.seconds
-    seconds["forward_s"] += time.perf_counter() - t0 - changing - collector.seconds
-
-
 @torch.no_grad()
 def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock, cfg: CalibConfig,
                targets: Callable[[str], bool] | Collection[str] | None = None, hessian: bool = True,
@@ -435,8 +407,9 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
             linears = {f"{prefix}.{n}": m for n, m in fwd.named_modules()
                        if isinstance(m, nn.Linear) and selected(f"{prefix}.{n}")}
             collector = _Collector(linears, hessian, product)
-            if cfg.true_sequential and linears:
-                _true_sequential_block(prefix, block, fwd, hidden, cos, sin, collector, on_block, seconds)
+            one_pass = cfg.true_sequential and bool(linears)  # statistics, changes and outputs in one pass
+            if one_pass:
+                true_sequential.calibrate_block(prefix, block, fwd, hidden, cos, sin, collector, on_block, seconds)
             elif linears or not cfg.sequential:
                 t0 = time.perf_counter()
 
@@ -473,12 +446,12 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
                         stop.remove()
                 seconds["forward_s"] += time.perf_counter() - t0 - collector.seconds
                 seconds["stats_s"] += collector.seconds
-            if not (cfg.true_sequential and linears):
+            if not one_pass:
                 t0 = time.perf_counter()
                 on_block(prefix, block, collector.stats)
                 seconds["on_block_s"] += time.perf_counter() - t0
             del collector  # free this block's statistics before the next block's
-            if cfg.sequential and not (cfg.true_sequential and linears):
+            if cfg.sequential and not one_pass:
                 t0 = time.perf_counter()
                 if fwd is not block:  # the modified weights, in the forward dtype
                     for a, b in zip(fwd.parameters(), block.parameters(), strict=True):

@@ -13,11 +13,16 @@ live at once (models.streamed.footprint counts them).
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from greenlet import getcurrent, greenlet
 from torch import nn
+
+if TYPE_CHECKING:  # core.calibrate imports this module
+    from core.calibrate import OnBlock, _Collector
 
 
 def linear_groups(block: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -84,3 +89,30 @@ def run_block(fwd: nn.Module, hidden: list[torch.Tensor], cos: torch.Tensor, sin
                 g.throw()  # GreenletExit at its parked hook: the forward unwinds, its activations are freed
         for handle in handles:
             handle.remove()
+
+
+def calibrate_block(prefix: str, block: nn.Module, fwd: nn.Module, hidden: list[torch.Tensor], cos: torch.Tensor,
+                    sin: torch.Tensor, collector: _Collector, on_block: OnBlock, seconds: dict[str, float]) -> None:
+    """One block of core.calibrate.run_blocks, true-sequential: each group's statistics, on_block on them, the group's new weights into
+    `fwd`, one forward pass in all; `hidden` becomes the changed block's outputs."""
+    t0, changing = time.perf_counter(), 0.0
+    full = {n.removeprefix(prefix + "."): n for n in collector.linears}
+    # One window finds the order the linears run in and which share an input.
+    groups = linear_groups(fwd, hidden[0][:1], cos, sin, full.__contains__)
+
+    def change(group: list[str]) -> None:
+        nonlocal changing
+        t1 = time.perf_counter()
+        shared = collector.stats[full[group[0]]]
+        shared.end_batch()
+        on_block(prefix, block, {full[n]: shared for n in group})
+        if fwd is not block:  # the changed weights, in the forward dtype
+            for n in group:
+                for a, b in zip(fwd.get_submodule(n).parameters(), block.get_submodule(n).parameters(), strict=True):
+                    a.copy_(b)
+        changing += time.perf_counter() - t1
+
+    run_block(fwd, hidden, cos, sin, groups, lambda n, x: collector.add(full[n], x), change)
+    seconds["on_block_s"] += changing
+    seconds["stats_s"] += collector.seconds
+    seconds["forward_s"] += time.perf_counter() - t0 - changing - collector.seconds
