@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import importlib
 import inspect
 import io
+import logging
 import os
 import signal
 import sys
@@ -168,12 +170,30 @@ def main() -> None:
         finally:
             if trainer is not None:
                 trainer.close()
+                # Free the model (and the gloo work objects its FSDP hooks hold) while the interpreter lives.
+                trainer = None
+                gc.collect()
             if torch.distributed.is_initialized():
                 if finished:  # rank 0 still exports and closes wandb: no rank may tear its links down first
                     _barrier()
                 torch.distributed.destroy_process_group()
 
     run_cli(train, show=int(os.environ.get("RANK", "0")) == 0)
+    _exit_clean()
+
+
+def _exit_clean() -> None:
+    """Leave a finished rank without interpreter finalization.
+
+    Everything is saved and the process group is gone, but c10d caches can keep a gloo group alive
+    until finalization, and freeing its worker threads' tensors then needs a GIL that no longer
+    exists: the rank aborted (SIGABRT, "terminate called without an active exception") after a
+    complete run, in CI. os._exit skips that teardown; the streams are flushed first.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
