@@ -20,8 +20,10 @@ Precision (CalibConfig, measured in the README's time/quality table):
   CPU); "float32" forms each batch's XᵀX with an fp32 matmul and sums the batches in fp64, so rounding does
   not grow with the token count; H is then handed out as fp32, so the rank test for "singular without
   dampening" (core.obs) judges it by fp32's epsilon, the precision its products had. "bfloat16" forms the
-  per-batch products in bf16 (AMX on CPU; each product entry rounded to 8 bits) and hands H out in bf16:
-  the fastest and the coarsest, so dampening (percdamp > 0) is required.
+  per-batch products in bf16 (avx512-bf16 / AMX on CPU; each batch's entries rounded to 8 bits, the rounding
+  averaging out over batches in the fp64 sum) and hands H out in fp32: rounding the sum itself to bf16 cost
+  GPTQ +17-20% KL (README). Its rounding lies far above fp32's epsilon, where the rank test could not see
+  a singular H, so dampening (percdamp > 0) is required (CalibConfig.check_dampening).
 - `forward`: the dtype of the block forward passes. "bfloat16" runs a bf16 copy of each block (AMX /
   avx512-bf16 on CPU, tensor cores on GPU); the statistics still come out in the wide type above, and the
   algorithms still modify the fp32 block. "auto" is bf16 where the hardware has it, else fp32.
@@ -88,6 +90,12 @@ class CalibConfig:
             raise SmeltError(f"calibration forward={self.forward!r} is not one of {', '.join(FORWARD_DTYPES)}")
         if self.hessian not in HESSIAN_DTYPES:
             raise SmeltError(f"calibration hessian={self.hessian!r} is not one of {', '.join(HESSIAN_DTYPES)}")
+
+    def check_dampening(self, percdamp: float) -> None:
+        """A Hessian method's dampening against these statistics: bf16 products need percdamp > 0."""
+        if self.hessian == "bfloat16" and percdamp == 0:
+            raise SmeltError("calibration hessian=bfloat16 needs percdamp > 0: its products' rounding would hide "
+                             "a singular Hessian from the rank test")
 
     def forward_dtype(self, device: torch.device) -> torch.dtype:
         """The block forward dtype on `device` ("auto" resolved; bf16 refused where it cannot run fast)."""
@@ -199,20 +207,25 @@ class LinearStats:
         self._last = None  # drop the reference: the batch's activations can be freed
 
     @property
+    def out_dtype(self) -> torch.dtype:
+        """H's dtype: its products' (the rank test then uses their epsilon), but never below fp32, where the
+        inverse needs it (bf16 products: CalibConfig.check_dampening)."""
+        return torch.promote_types(self.product_dtype, torch.float32)
+
+    @property
     def H(self) -> torch.Tensor:
         if self.xtx is None:
             raise SmeltError("these statistics were collected without the Hessian (hessian=False)")
         if self._mirrored is None:
             upper = self.xtx.triu()
             H = upper + upper.triu(1).T
-            # Handed out in the precision its products had: the rank test then uses that epsilon.
-            self._mirrored = H.to(self.product_dtype)
+            self._mirrored = H.to(self.out_dtype)
         return self._mirrored
 
     @property
     def C(self) -> torch.Tensor | None:
-        """X_dᵀX (teacher targets), in the precision its products had; None without teacher targets."""
-        return None if self.cross is None else self.cross.to(self.product_dtype)
+        """X_dᵀX (teacher targets), in H's dtype; None without teacher targets."""
+        return None if self.cross is None else self.cross.to(self.out_dtype)
 
     @property
     def act_norm(self) -> torch.Tensor:

@@ -57,6 +57,7 @@ from prune.patterns import check_sparsity
 
 METHODS = ("magnitude", "wanda", "sparsegpt", "obs")
 CALIBRATED = ("wanda", "sparsegpt", "obs")
+HESSIAN_METHODS = ("sparsegpt", "obs")  # the methods that invert H (so does --refit)
 REFITTABLE = ("wanda", "sparsegpt")  # OBS's weights are already the optimum for its mask; magnitude has no H
 
 
@@ -142,6 +143,8 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
     if pattern is not None:
         sparsity = pattern.sparsity
     targets = check_settings(model, method, sparsity, pattern, skip, blocksize, percdamp, refit)
+    if method in HESSIAN_METHODS or refit:
+        cfg.check_dampening(percdamp)
     dense_rows = dense_rows or {}
     if set(dense_rows) - set(targets):
         raise SmeltError(f"dense rows declared for {sorted(set(dense_rows) - set(targets))[0]}, which is not pruned")
@@ -325,6 +328,8 @@ def main(argv: list[str] | None = None) -> None:
                       batch_size=args.calib_batch_size, sequential=not args.no_sequential,
                       corpus=args.calib_corpus, forward=args.calib_forward, hessian=args.calib_hessian,
                       true_sequential=args.calib_true_sequential)
+    if args.method in HESSIAN_METHODS or args.refit:
+        cfg.check_dampening(args.percdamp)
     skip = tuple(s.strip() for s in args.skip.split(",") if s.strip())
     eval_overrides = {"batch_size": args.eval_batch_size}
     if args.eval_windows:
@@ -346,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     model = stream.model if stream else load_hf(teacher_dir, device=str(default_device()))
     targets = check_settings(model, args.method, sparsity, pattern, skip, args.blocksize, args.percdamp, args.refit)
     need = check_memory(stream, args.max_memory, cfg.n_windows if calibrated else 0, cfg.seq_len, cfg.batch_size,
-                        cfg.forward_dtype(stream.device), hessian=args.method in ("sparsegpt", "obs") or bool(args.refit),
+                        cfg.forward_dtype(stream.device), hessian=args.method in HESSIAN_METHODS or bool(args.refit),
                         refit=args.refit, true_sequential=cfg.true_sequential) if stream else None
     dense = {}
     if args.protect:
@@ -360,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
         "method": args.method, "pattern": str(pattern) if pattern else None, "sparsity": sparsity,
         "calibration": cfg.record(default_device()) if calibrated else None, "skip": list(skip),
         "blocksize": args.blocksize if args.method == "sparsegpt" else None,
-        "percdamp": args.percdamp if args.method in ("sparsegpt", "obs") or args.refit else None,
+        "percdamp": args.percdamp if args.method in HESSIAN_METHODS or args.refit else None,
         "refit": args.refit,
         "teacher": args.teacher, "eval": None, "protect": args.protect,
         "dense_rows": {k: int(v.sum()) for k, v in sorted(dense.items())}, "stream": need,

@@ -51,6 +51,8 @@ def quantize_model(model, method: str, spec: QuantSpec, masks: dict, windows: to
     modules = dict(model.named_modules())
     for name in names:  # refuse before doing any work
         check_group(modules[name].in_features, spec.group_size, name)
+    if method == "gptq":
+        (calib or CalibConfig()).check_dampening(percdamp)
     qparams: dict[str, tuple] = {}
     seconds = {"quantize_s": 0.0}
 
@@ -149,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         calib = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, seed=args.seed,
                             corpus=args.calib_corpus, forward=args.calib_forward, hessian=args.calib_hessian,
                             true_sequential=args.calib_true_sequential)
+        calib.check_dampening(args.percdamp)
     teacher_dir = resolve_teacher(args.teacher)
     src = Path(args.artifact) if args.artifact else teacher_dir
     device = default_device()  # calibration on the GPU when one is present

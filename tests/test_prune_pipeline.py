@@ -142,8 +142,12 @@ def test_float32_hessian_matches_float64_and_stays_honest_about_its_precision():
     for block, stats in ref.items():
         for name, (H, _, _, _) in stats.items():
             Hb = coarse[block][name][0]
-            assert Hb.dtype == torch.bfloat16  # its precision, for the rank test
+            assert Hb.dtype == torch.float32  # the fp64 sum of bf16 products, not rounded to bf16 again
             assert float((Hb.double() - H).norm() / H.norm()) < 1e-2
+    CalibConfig(hessian="bfloat16").check_dampening(0.01)
+    CalibConfig(hessian="float32").check_dampening(0.0)  # fp32's epsilon: the rank test judges it
+    with pytest.raises(SmeltError, match="hessian=bfloat16 needs percdamp > 0"):
+        CalibConfig(hessian="bfloat16").check_dampening(0.0)
 
 
 def test_bf16_forwards_keep_fp32_blocks_and_feed_the_modified_weights_on():
@@ -347,10 +351,13 @@ def test_prune_model_rejects_bad_settings(tiny_model_dir, calib):
         prune_targets(model, skip=("tok_embeddings",))
     with pytest.raises(SmeltError, match="matches no module"):
         prune_targets(model, skip=("output", "attention.wz"))
-    for hessian in ("float64", "float32", "bfloat16"):  # 8 tokens, 64 inputs: rank-deficient in any precision
+    for hessian in ("float64", "float32"):  # 8 tokens, 64 inputs: rank-deficient in any precision
         with pytest.raises(SmeltError, match=r"layers\.0\.attention\.wq: Hessian is singular"):
             prune_model(model, windows[:1, :8], "sparsegpt", 0.5, percdamp=0.0,
                         cfg=CalibConfig(n_windows=1, seq_len=8, forward="float32", hessian=hessian), progress=False)
+    with pytest.raises(SmeltError, match="hessian=bfloat16 needs percdamp > 0"):  # too coarse for the rank test
+        prune_model(model, windows[:1, :8], "sparsegpt", 0.5, percdamp=0.0,
+                    cfg=CalibConfig(n_windows=1, seq_len=8, hessian="bfloat16"), progress=False)
     with pytest.raises(SmeltError, match="n_windows=0 must be >= 1: no calibration data"):
         CalibConfig(n_windows=0)
 

@@ -56,6 +56,13 @@ def test_ptq_cli_writes_a_quantized_artifact(tiny_model_dir, tmp_path):
                                 cwd=ROOT, capture_output=True, text=True)
     assert bad_corpus.returncode == 2 and "corpus 'zh' is not allowed" in bad_corpus.stderr  # before loading
     assert not (tmp_path / "g").exists()
+    undamped = subprocess.run([sys.executable, "-m", "qat.ptq", "--teacher", str(tmp_path / "nowhere"),
+                               "--method", "gptq", "--calib-hessian", "bfloat16", "--percdamp", "0",
+                               "--out", str(tmp_path / "g")], cwd=ROOT, capture_output=True, text=True)
+    assert undamped.returncode == 2 and undamped.stderr.strip().splitlines()[-1] == (  # before loading
+        "error: calibration hessian=bfloat16 needs percdamp > 0: its products' rounding would hide a singular "
+        "Hessian from the rank test")
+    assert not (tmp_path / "g").exists()
     qparams, spec = read_qparams(out)
     assert spec.group_size == 32 and len(qparams) == 7 * 2
     bad = subprocess.run([sys.executable, "-m", "qat.ptq", "--teacher", str(tiny_model_dir), "--method", "rtn",
