@@ -148,13 +148,13 @@ def footprint(cfg: LlamaConfig, n_windows: int, seq_len: int, batch_size: int, f
     and libraries come on top). Two phases: embedding the windows, then one block at a time."""
     d, f, h = cfg.dim, cfg.ffn_hidden, cfg.n_heads
     block = block_params(cfg) * (4 + (forward_bytes if forward_bytes != 4 else 0))  # fp32 + a forward copy
-    activations = n_windows * seq_len * d * forward_bytes  # the current block's inputs, replaced in place
+    activations = n_windows * seq_len * d * 4  # the current block's inputs (the fp32 residual stream)
     if refit == "teacher":  # the teacher's stream of activations next to the model's
         activations *= 2
     batch = batch_size * seq_len * (6 * d + 3 * f + h * seq_len) * 4  # one batch's temporaries
     if true_sequential:  # every batch parked at once: at wo (norm, q, k and v repeated, attention out: 5 d
-        # per token) or at w2 (h, its norm, the down input: 2 d + f)
-        batch += n_windows * seq_len * max(5 * d, 2 * d + f) * forward_bytes
+        # per token in the forward dtype) or at w2 (h in fp32; its norm and the down input: d + f)
+        batch += n_windows * seq_len * max(5 * d * forward_bytes, 4 * d + (d + f) * forward_bytes)
     groups = linear_groups(cfg)
     stats = sum(i * i * 12 if hessian else i * 8 for i, _ in groups)  # fp64 sums + one fp32 product
     if refit == "teacher":  # X_dᵀX: fp64 sums + one fp32 product

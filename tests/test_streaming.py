@@ -115,6 +115,11 @@ def test_footprint_is_linear_in_windows_and_names_its_parts():
     # true-sequential: every batch parked at once, 5 d floats per token at wo for SmolLM2 (5 d > 2 d + f)
     ts = footprint(cfg, 64, 512, 8, 4, hessian=True, true_sequential=True)
     assert ts["batch_temporaries"] - a["batch_temporaries"] == 64 * 512 * 5 * cfg.dim * 4
+    # bf16 forwards: the residual stream stays fp32, the linear inputs are bf16; the peak is then at w2
+    # (h in fp32, its norm and the down input in bf16: 6528 bytes per token against 5760 at wo)
+    bf = footprint(cfg, 64, 512, 8, 2, hessian=True, true_sequential=True)
+    assert bf["activations"] == a["activations"]
+    assert bf["batch_temporaries"] - a["batch_temporaries"] == 64 * 512 * (4 * cfg.dim + 2 * (cfg.dim + cfg.ffn_hidden))
 
 
 @pytest.mark.parametrize("method", [["gptq"], ["rtn"], ["gptq", "--calib-true-sequential"]],
