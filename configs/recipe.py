@@ -81,7 +81,7 @@ def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
                  *_opt("--protect", st.protect), *_opt("--skip", ",".join(st.skip) if st.skip else None),
                  *_opt("--sparsity", st.sparsity), *_opt("--calib-windows", st.calib_windows),
                  *_opt("--calib-seq-len", st.calib_seq_len), *_opt("--calib-forward", st.calib_forward),
-                 *_opt("--calib-true-sequential", st.calib_true_sequential),
+                 *_opt("--calib-hessian", st.calib_hessian), *_opt("--calib-true-sequential", st.calib_true_sequential),
                  *_opt("--calib-corpus", calib), *_opt("--refit", st.refit), "--out", st.dst]]
     if st.kind == "teacher_cache":
         return [[PY, "-m", "distill.teacher_cache", "--teacher", t, "--source", recipe.data.train,
@@ -108,7 +108,7 @@ def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
                  "--method", st.method, *_opt("--bits", st.bits), *_opt("--act-order", st.act_order),
                  *_opt("--group-size", st.group_size), *_opt("--calib-windows", st.calib_windows),
                  *_opt("--calib-seq-len", st.calib_seq_len), *_opt("--calib-forward", st.calib_forward),
-                 *_opt("--calib-true-sequential", st.calib_true_sequential),
+                 *_opt("--calib-hessian", st.calib_hessian), *_opt("--calib-true-sequential", st.calib_true_sequential),
                  *_opt("--calib-corpus", calib), "--out", st.dst]]
     if st.kind == "release":
         return [[PY, "-m", "qat.release", "--artifact", st.src, "--out", st.dst, "--dtype", st.dtype,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from configs.memory import read_registry
 from configs.schema import build, read_toml
-from core.calibrate import FORWARD_DTYPES, REFIT_TARGETS, CalibConfig
+from core.calibrate import FORWARD_DTYPES, HESSIAN_DTYPES, REFIT_TARGETS, CalibConfig
 from core.data import EvalConfig, SelfTextConfig
 from core.errors import SmeltError
 from core.patterns import NMPattern
@@ -75,6 +75,7 @@ class PruneStage(Stage):            # prune.run on the teacher
     calib_windows: int | None = None  # None: the CLI's default (core.calibrate.CalibConfig)
     calib_seq_len: int | None = None
     calib_forward: str | None = None  # block forward dtype (core.calibrate.FORWARD_DTYPES); None: float32
+    calib_hessian: str | None = None  # each batch's XᵀX product dtype (core.calibrate.HESSIAN_DTYPES); None: float32
     calib_true_sequential: bool = False  # one forward pass per block, each group on the pruned ones' outputs
     refit: str | None = None        # kept weights re-solved for the mask (prune.run --refit layer|teacher); None: off
     evaluate: bool = True
@@ -132,6 +133,7 @@ class PtqStage(Stage):              # qat.ptq
     calib_windows: int | None = None  # None: qat.ptq's default (128 x 512, as CalibConfig's)
     calib_seq_len: int | None = None
     calib_forward: str | None = None
+    calib_hessian: str | None = None
     calib_true_sequential: bool = False
     evaluate: bool = True
 
@@ -392,6 +394,8 @@ def check(recipe: Recipe, registry: dict) -> None:
                              "stream runs each block unchanged)")
         if isinstance(st, (PruneStage, PtqStage)) and st.calib_forward not in (None, *FORWARD_DTYPES):
             raise SmeltError(f"{where}.calib_forward {st.calib_forward!r} is not one of {', '.join(FORWARD_DTYPES)}")
+        if isinstance(st, (PruneStage, PtqStage)) and st.calib_hessian not in (None, *HESSIAN_DTYPES):
+            raise SmeltError(f"{where}.calib_hessian {st.calib_hessian!r} is not one of {', '.join(HESSIAN_DTYPES)}")
         if isinstance(st, ReleaseStage) and st.dtype not in ("bfloat16", "float16", "float32"):
             raise SmeltError(f"{where}.dtype {st.dtype!r} is not one of bfloat16, float16, float32")
         if isinstance(st, ReleaseStage) and st.sparse_storage not in ("mask", "compressed"):

@@ -64,12 +64,14 @@ def test_prune_refit_and_true_sequential_reach_their_commands(capsys, tmp_path):
     (smol / "config.json").write_text(json.dumps(config_to_hf(FLAVORS["smollm2-135m"])))
     _, plan = _dry_run(capsys, RECIPES / "smollm2-cpu.toml", tmp_path, "--teacher-config", smol,
                        "--set", f"run_dir={tmp_path}/run", "--set", "stages.prune.refit=layer",
-                       "--set", "stages.quantize.calib_true_sequential=true")
+                       "--set", "stages.quantize.calib_true_sequential=true",
+                       "--set", "stages.quantize.calib_hessian=bfloat16")
     prune = next(s for s in plan["stages"] if s["name"] == "prune")
     assert len(prune["commands"]) == 1 and " --refit layer --out " in prune["commands"][0]
     assert "--calib-true-sequential" not in prune["commands"][0]
     gptq = next(s for s in plan["stages"] if s["name"] == "quantize")
-    assert " --calib-true-sequential " in gptq["commands"][0]
+    assert " --calib-hessian bfloat16 --calib-true-sequential " in gptq["commands"][0]
+    assert "--calib-hessian" not in prune["commands"][0]  # None: the CLI's default
 
 
 def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
@@ -245,6 +247,7 @@ BAD = [
     (["--set", "stages.release.sparse_storage=csr"], "stages[6].sparse_storage 'csr' is not one of"),
     (["--set", "stages.verify.kernel_layers=-1"], "stages[7].kernel_layers=-1"),
     (["--set", "stages.prune.calib_forward=fp8"], "stages[2].calib_forward 'fp8' is not one of"),
+    (["--set", "stages.quantize.calib_hessian=float16"], "stages[4].calib_hessian 'float16' is not one of"),
     (["--set", "stages.prune.refit=weights"], "stages[2].refit 'weights' is not one of"),
     (["--set", "stages.prune.refit=teacher", "--set", "stages.prune.calib_true_sequential=true"],
      "stages[2]: refit = \"teacher\" needs calib_true_sequential = false"),
