@@ -26,13 +26,12 @@ Precision (CalibConfig, measured in the README's time/quality table):
   a singular H, so dampening (percdamp > 0) is required (CalibConfig.check_dampening).
 - `forward`: the dtype of the block forward passes' matmuls. "bfloat16" runs a copy of each block whose
   linears hold bf16 weights (AMX / avx512-bf16 on CPU, tensor cores on GPU) while the residual stream and the
-  norms stay fp32 (_forward_copy); the statistics still come out in the wide type above, and the algorithms
+  norms stay fp32 (core.forward_copy); the statistics still come out in the wide type above, and the algorithms
   still modify the fp32 block. "auto" is bf16 where the hardware has it, else fp32.
 """
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import sys
 import time
@@ -48,6 +47,7 @@ from core import true_sequential
 from core.data import calibration_windows, corpus_record, is_corpus_mix, split_corpora
 from core.device import release_memory
 from core.errors import SmeltError
+from core.forward_copy import forward_copy, refresh
 from core.text_source import CalibrationSourceConfig, source_record
 
 
@@ -303,21 +303,6 @@ def _selector(targets: Callable[[str], bool] | Collection[str] | None) -> Callab
     return chosen.__contains__
 
 
-def _forward_copy(block: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A copy of `block` whose linears hold `dtype` weights; its other modules with weights (the norms) keep the
-    block's dtype and hand their output on in `dtype`, so every linear gets `dtype` inputs while the residual
-    stream (block input + branch outputs) stays in the block's dtype. Against a whole-bf16 copy: the same speed,
-    and half the error (SmolLM2 at 16 windows, the last hidden state 1.9% -> 0.9% from fp32's, KL 8.7e-4 ->
-    3.5e-4): the residual stream is where bf16 rounding piles up."""
-    fwd = copy.deepcopy(block)
-    for m in fwd.modules():
-        if isinstance(m, nn.Linear):
-            m.to(dtype)
-        elif next(m.parameters(recurse=False), None) is not None:
-            m.register_forward_hook(lambda module, args, out: out.to(dtype))
-    return fwd
-
-
 OnBlock = Callable[[str, nn.Module, dict[str, LinearStats]], None]
 
 
@@ -432,7 +417,7 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
                 stream.load(prefix, block)
             # What the passes run: the block itself, or a copy with linears in the forward dtype (the
             # algorithms keep modifying the block's own weights).
-            fwd = block if next(block.parameters()).dtype == fwd_dtype else _forward_copy(block, fwd_dtype)
+            fwd = block if next(block.parameters()).dtype == fwd_dtype else forward_copy(block, fwd_dtype)
             linears = {f"{prefix}.{n}": m for n, m in fwd.named_modules()
                        if isinstance(m, nn.Linear) and selected(f"{prefix}.{n}")}
             collector = _Collector(linears, hessian, product)
@@ -483,8 +468,7 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
             if cfg.sequential and not one_pass:
                 t0 = time.perf_counter()
                 if fwd is not block:  # the modified weights, in the forward dtype
-                    for a, b in zip(fwd.parameters(), block.parameters(), strict=True):
-                        a.copy_(b)
+                    refresh(fwd, block)
                 for i, h in enumerate(hidden):
                     hidden[i] = fwd(h, cos, sin)
                 seconds["forward_s"] += time.perf_counter() - t0

@@ -21,6 +21,8 @@ import torch
 from greenlet import getcurrent, greenlet
 from torch import nn
 
+from core.forward_copy import refresh
+
 if TYPE_CHECKING:  # core.calibrate imports this module
     from core.calibrate import OnBlock, _Collector
 
@@ -93,8 +95,8 @@ def run_block(fwd: nn.Module, hidden: list[torch.Tensor], cos: torch.Tensor, sin
 
 def calibrate_block(prefix: str, block: nn.Module, fwd: nn.Module, hidden: list[torch.Tensor], cos: torch.Tensor,
                     sin: torch.Tensor, collector: _Collector, on_block: OnBlock, seconds: dict[str, float]) -> None:
-    """One block of core.calibrate.run_blocks, true-sequential: each group's statistics, on_block on them, the group's new weights into
-    `fwd`, one forward pass in all; `hidden` becomes the changed block's outputs."""
+    """One block of core.calibrate.run_blocks, true-sequential: each group's statistics, on_block on them, the
+    group's new weights into `fwd`, one forward pass in all; `hidden` becomes the changed block's outputs."""
     t0, changing = time.perf_counter(), 0.0
     full = {n.removeprefix(prefix + "."): n for n in collector.linears}
     # One window finds the order the linears run in and which share an input.
@@ -107,9 +109,7 @@ def calibrate_block(prefix: str, block: nn.Module, fwd: nn.Module, hidden: list[
         shared.end_batch()
         on_block(prefix, block, {full[n]: shared for n in group})
         if fwd is not block:  # the changed weights, in the forward dtype
-            for n in group:
-                for a, b in zip(fwd.get_submodule(n).parameters(), block.get_submodule(n).parameters(), strict=True):
-                    a.copy_(b)
+            refresh(fwd, block, group)
         changing += time.perf_counter() - t1
 
     run_block(fwd, hidden, cos, sin, groups, lambda n, x: collector.add(full[n], x), change)

@@ -51,8 +51,9 @@ def quantize_model(model, method: str, spec: QuantSpec, masks: dict, windows: to
     modules = dict(model.named_modules())
     for name in names:  # refuse before doing any work
         check_group(modules[name].in_features, spec.group_size, name)
+    calib = calib or CalibConfig()
     if method == "gptq":
-        (calib or CalibConfig()).check_dampening(percdamp)
+        calib.check_dampening(percdamp)
     qparams: dict[str, tuple] = {}
     seconds = {"quantize_s": 0.0}
 
@@ -98,7 +99,7 @@ def quantize_model(model, method: str, spec: QuantSpec, masks: dict, windows: to
         def on_block(block_name, block, stats):
             for group in shared_inputs(stats):
                 quantize_group(group, stats[group[0]].H)
-        seconds.update(run_blocks(model, windows, on_block, calib or CalibConfig(), targets=set(names),
+        seconds.update(run_blocks(model, windows, on_block, calib, targets=set(names),
                                   progress=progress, stream=stream, block_done=block_done))
     else:
         raise SmeltError(f"--method {method!r} is not one of rtn, gptq")
