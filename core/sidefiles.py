@@ -7,6 +7,7 @@ written atomically, read with the truncation/NaN checks of core.files. Keys are 
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -57,6 +58,20 @@ class StreamedSideFile:
 
     def abort(self) -> None:
         self.file.abort()
+
+
+@contextlib.contextmanager
+def closed_at_end(*files):
+    """Streamed files (close/abort) closed when the body completes, every one aborted on an error: no
+    partial file is left."""
+    try:
+        yield
+        for f in files:
+            f.close()
+    except BaseException:
+        for f in files:
+            f.abort()
+        raise
 
 
 def load_side_file(path: str | Path) -> tuple[dict[tuple[str, str], torch.Tensor], dict[str, str]]:

@@ -20,6 +20,7 @@ from core.errors import SmeltError
 from core.files import check_finite, open_safetensors
 from core.hf_names import from_hf_name, to_hf_name
 from core.safetensors_stream import StreamedSafetensors
+from core.sidefiles import closed_at_end
 from models.hf_io import checkpoint_index, config_from_hf, read_hf_config, write_config
 from models.llama import LlamaConfig, Transformer
 
@@ -119,14 +120,11 @@ class StreamedModel:
         close/abort), or on an error abort them all: no partial file is left."""
         try:
             self.open_output(out_dir)
-            yield
-            self.close_output()
-            for f in side_files:
-                f.close()
+            with closed_at_end(*side_files):
+                yield
+                self.close_output()
         except BaseException:
             self.abort_output()
-            for f in side_files:
-                f.abort()
             raise
 
 

@@ -43,11 +43,12 @@ from core.device import default_device, peak_rss_gib, release_memory
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.evaluation import evaluate_dir
 from core.files import atomic_dir
-from core.masks import StreamedMasks, save_masks
+from core.masks import StreamedMasks
 from core.obs import timed_inverses
 from core.patterns import NMPattern
 from core.protected import dense_rows as protected_rows
 from core.protected import read_protected
+from core.sidefiles import closed_at_end
 from models.hf_io import load_hf, load_tokenizer, save_hf
 from models.llama import DEFAULT_SKIP, linear_names
 from models.streamed import StreamedModel, check_memory
@@ -133,8 +134,9 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
     report: per_module {name: {sparsity, rel_recon_error (methods with a Hessian: SparseGPT, OBS)}}, overall sparsity of
     the pruned linears, and timings_s (forward passes, statistics, Hessian inverses, pruning updates).
     dense_rows {name: bool [out]}: rows left as they are (all kept), e.g. protected heads.
-    stream: the model is a StreamedModel's (meta until each block is loaded); each block's masks then go to
-    `write_masks` as soon as the block is done, and the returned masks are empty.
+    stream: the model is a StreamedModel's (meta until each block is loaded).
+    write_masks: each block's masks go to it as soon as the block is done (streamed or not: the run then
+    holds no byte per weight), and the returned masks are empty.
     refit: the kept weights re-solved to the layer-wise optimum for the mask (algorithms.masked_refit):
     "layer" for the layer's own output on its current inputs, "teacher" for the teacher's output there.
     """
@@ -218,7 +220,7 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
                     prune_one(name, stats[name])
 
     def block_done(block_name: str) -> None:
-        if write_masks is not None:  # streamed: this block's masks leave now, not at the end
+        if write_masks is not None:  # this block's masks leave now, not at the end
             write_masks({n: masks.pop(n) for n in list(masks) if n.startswith(block_name + ".")})
 
     with timed_inverses(seconds):
@@ -232,16 +234,15 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
                              teacher_targets=refit == "teacher",
                              block_done=block_done)
             seconds["forward_s"], seconds["stats_s"] = ran["forward_s"], ran["stats_s"]
-        elif stream is not None:  # magnitude, streamed: each block loaded, pruned, written, freed
+        else:  # magnitude: block by block (loaded and freed when streamed), its masks leaving with it
             for key, block in model.layers.items():
-                stream.load(f"layers.{key}", block)
+                if stream is not None:
+                    stream.load(f"layers.{key}", block)
                 for name in (n for n in targets if n.startswith(f"layers.{key}.")):
                     prune_one(name, None)
                 block_done(f"layers.{key}")
-                stream.release(f"layers.{key}", block)
-        else:
-            for name in targets:
-                prune_one(name, None)
+                if stream is not None:
+                    stream.release(f"layers.{key}", block)
     seconds["prune_update_s"] = seconds.pop("prune_s") - seconds["hessian_inverse_s"] - seconds.get("refit_s", 0.0)
     seconds["total_s"] = time.perf_counter() - t_start
     pruned, total = sum(removed.values()), sum(modules[n].weight.numel() for n in removed)
@@ -376,16 +377,15 @@ def main(argv: list[str] | None = None) -> None:
                            cfg, dense_rows=dense, refit=args.refit, **kw)
 
     with atomic_dir(out, overwrite=args.overwrite) as tmp:  # an error below leaves nothing behind
+        # Masks leave block by block in both paths: held whole they were 0.1 GiB (SmolLM2) at the peak.
+        masks_out = StreamedMasks(tmp, {n: tuple(model.get_submodule(n).weight.shape) for n in targets}, dense)
         if stream is None:
-            masks, report = prune()
+            with closed_at_end(masks_out):
+                _, report = prune(write_masks=masks_out.write)
             save_hf(model, tmp, tokenizer=tokenizer)
-            save_masks(model, masks, tmp, dense)
-            del masks  # one byte per weight: freed before the evaluation's full-vocabulary temporaries
-        else:  # weights and masks written block by block as calibration finishes them
-            streamed_masks = StreamedMasks(tmp, {n: tuple(model.get_submodule(n).weight.shape) for n in targets},
-                                           dense)
-            with stream.writing(tmp, streamed_masks):
-                _, report = prune(stream=stream, write_masks=streamed_masks.write)
+        else:  # weights written block by block too
+            with stream.writing(tmp, masks_out):
+                _, report = prune(stream=stream, write_masks=masks_out.write)
             tokenizer.save_pretrained(str(tmp))
         windows = None  # the calibration's; freed before the evaluation
         print(_summary(args.method, report), file=sys.stderr)
