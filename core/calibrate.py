@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from core import true_sequential
 from core.data import calibration_windows, corpus_record, is_corpus_mix, split_corpora
-from core.device import release_memory
+from core.device import release_memory, synchronize
 from core.errors import SmeltError
 from core.forward_copy import forward_copy, refresh
 from core.text_source import CalibrationSourceConfig, source_record
@@ -134,8 +134,8 @@ HESSIAN_DTYPES = ("float64", "float32", "bfloat16")
 
 def bf16_is_fast(device: torch.device) -> bool:
     """bf16 matmuls run on dedicated units: a CUDA GPU (Ampere+), or a CPU with AMX / avx512-bf16."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+    if device.type == "cuda":  # Ampere and later (is_bf16_supported() also counts emulation)
+        return torch.cuda.get_device_capability(device)[0] >= 8
     if device.type != "cpu":
         return False
     try:
@@ -247,6 +247,7 @@ class _Collector:
 
     def add(self, name: str, x: torch.Tensor) -> None:
         """One batch of `name`'s inputs."""
+        synchronize()  # on a GPU the forward's queued kernels are the forward's time, not the statistics'
         t0 = time.perf_counter()
         st = self.stats.get(name)
         if st is None:  # first batch: share the stats of a linear that already saw this tensor
@@ -254,6 +255,7 @@ class _Collector:
                 self.linears[name].in_features, torch.float64, x.device, self.hessian, self.product_dtype)
             self.stats[name] = st  # fp64 sums
         st.add(x, None if self.teacher_inputs is None else self.teacher_inputs[name])
+        synchronize()
         self.seconds += time.perf_counter() - t0
 
     def _hook(self, name: str):
@@ -402,6 +404,10 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
     seconds = {"forward_s": 0.0, "stats_s": 0.0, "on_block_s": 0.0}
     was_training, bar = model.training, None
     model.eval()
+    # cuBLAS may add a bf16 product's split-K partial sums in bf16; XᵀX's products run over thousands of
+    # tokens, and the CPU measurements behind bf16 products accumulated each in fp32.
+    bf16_reduction = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     try:
         # The current block's inputs, one tensor per batch; replaced in place by the block's outputs.
         if stream is not None:
@@ -458,6 +464,7 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
                 finally:
                     if stop is not None:
                         stop.remove()
+                synchronize()
                 seconds["forward_s"] += time.perf_counter() - t0 - collector.seconds
                 seconds["stats_s"] += collector.seconds
             if not one_pass:
@@ -471,6 +478,7 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
                     refresh(fwd, block)
                 for i, h in enumerate(hidden):
                     hidden[i] = fwd(h, cos, sin)
+                synchronize()
                 seconds["forward_s"] += time.perf_counter() - t0
             if block_done is not None:
                 block_done(prefix)
@@ -482,6 +490,7 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
         if bar is not None:
             bar.close()  # before any error is printed, so the message stays the last line
         model.train(was_training)
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = bf16_reduction
         hidden = teacher = None
         release_memory()
     return seconds

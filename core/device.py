@@ -3,6 +3,7 @@ every committed result carries (a number moves with the CPU, thread count and to
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import platform
 import resource
@@ -21,12 +22,27 @@ def peak_rss_gib() -> float:
 
 
 def release_memory() -> None:
-    """Hand freed heap pages back to the OS. glibc keeps the many mid-sized buffers a calibration frees
-    (hundreds of MB on a 135M model), which would otherwise add to a later stage's peak RSS."""
+    """Hand freed memory back: glibc's heap pages to the OS (it keeps the many mid-sized buffers a
+    calibration frees, hundreds of MB on a 135M model, which would add to a later stage's peak RSS), and the
+    CUDA caching allocator's blocks to the driver (an evaluation in a child process needs them)."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to do
         pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        gc.collect()  # tensors in reference cycles still hold their blocks
+        torch.cuda.empty_cache()
+
+
+def synchronize() -> None:
+    """Wait for queued GPU work (a no-op on CPU), so a phase's timer does not stop before its kernels ran."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def peak_device_memory_gib(device: torch.device) -> float | None:
+    """Peak GPU memory this process's tensors held (None on CPU, where peak_rss_gib covers it)."""
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
 def _cpu_model() -> str:

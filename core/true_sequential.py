@@ -21,6 +21,7 @@ import torch
 from greenlet import getcurrent, greenlet
 from torch import nn
 
+from core.device import synchronize
 from core.forward_copy import refresh
 
 if TYPE_CHECKING:  # core.calibrate imports this module
@@ -104,15 +105,18 @@ def calibrate_block(prefix: str, block: nn.Module, fwd: nn.Module, hidden: list[
 
     def change(group: list[str]) -> None:
         nonlocal changing
+        synchronize()  # the forward's queued kernels are forward time (GPU)
         t1 = time.perf_counter()
         shared = collector.stats[full[group[0]]]
         shared.end_batch()
         on_block(prefix, block, {full[n]: shared for n in group})
         if fwd is not block:  # the changed weights, in the forward dtype
             refresh(fwd, block, group)
+        synchronize()
         changing += time.perf_counter() - t1
 
     run_block(fwd, hidden, cos, sin, groups, lambda n, x: collector.add(full[n], x), change)
+    synchronize()
     seconds["on_block_s"] += changing
     seconds["stats_s"] += collector.seconds
     seconds["forward_s"] += time.perf_counter() - t0 - changing - collector.seconds

@@ -171,7 +171,7 @@ def check_memory(stream: StreamedModel, limit_gib: float, n_windows: int, seq_le
                  forward_dtype: torch.dtype, hessian: bool, refit: str | None = None,
                  true_sequential: bool = False) -> dict:
     """The streamed calibration's estimated footprint, refused (one line) when it exceeds the limit
-    (--max-memory); returns what a manifest records."""
+    (--max-memory) or, on a GPU, the GPU's free memory; returns what a manifest records."""
     if not limit_gib > 0:
         raise SmeltError(f"--max-memory {limit_gib} must be a positive number of GiB")
     need = footprint(stream.cfg, n_windows, seq_len, batch_size, torch.empty((), dtype=forward_dtype).element_size(),
@@ -181,4 +181,9 @@ def check_memory(stream: StreamedModel, limit_gib: float, n_windows: int, seq_le
                           if k not in ("total", "embedding_phase", "block_phase"))
         raise SmeltError(f"--max-memory {limit_gib} GiB is less than the streamed calibration needs: "
                          f"{need['total'] / 2**30:.3f} GiB ({parts} GiB); raise it or use fewer --calib-windows")
+    if stream.device.type == "cuda":  # the footprint lives on the GPU there: the limit alone does not bound it
+        free = torch.cuda.mem_get_info(stream.device)[0]
+        if need["total"] > free:
+            raise SmeltError(f"--max-memory: the streamed calibration needs {need['total'] / 2**30:.3f} GiB on "
+                             f"{stream.device}, which has {free / 2**30:.3f} GiB free; use fewer --calib-windows")
     return {"max_memory_gib": limit_gib, "footprint_gib": {k: round(v / 2**30, 4) for k, v in need.items()}}

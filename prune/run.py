@@ -39,7 +39,7 @@ from core.calibrate import (
     shared_inputs,
 )
 from core.data import EvalConfig, parse_windows
-from core.device import default_device, peak_rss_gib, release_memory
+from core.device import default_device, peak_device_memory_gib, peak_rss_gib, release_memory, synchronize
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.evaluation import evaluate_dir
 from core.files import atomic_dir
@@ -173,6 +173,7 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
             W_hat, keep = prune_and_refit(name, modules[name].weight.detach(), stats)
         except SmeltError as e:
             raise SmeltError(f"{name}: {e}") from None
+        synchronize()  # the sweep's queued GPU kernels are its time
         seconds["prune_s"] += time.perf_counter() - t0
         finish(name, W_hat, keep, stats)
 
@@ -206,6 +207,7 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
             W_hat, keep = prune_and_refit(group[0], W, stats)
         except SmeltError as e:
             raise SmeltError(f"{group[0]} (+{len(group) - 1} sharing its input): {e}") from None
+        synchronize()
         seconds["prune_s"] += time.perf_counter() - t0
         sizes = [lin.out_features for lin in lins]
         for name, w_i, k_i in zip(group, W_hat.split(sizes), keep.split(sizes), strict=True):
@@ -291,7 +293,8 @@ def _parse_args(argv):
                          "(one forward per block; more activations held)")
     ap.add_argument("--max-memory", type=float, metavar="GIB",
                     help="stream the model: blocks read from the checkpoint one at a time and the artifact "
-                         "written block by block, refused unless the calibration's estimated footprint fits GIB")
+                         "written block by block, refused unless the calibration's estimated footprint fits GIB "
+                         "(on a GPU: of GPU memory, and the GPU's free memory)")
     ap.add_argument("--overwrite", action="store_true")
     ap.add_argument("--eval", action="store_true", help="evaluate against the teacher (metrics in the manifest)")
     ap.add_argument("--eval-windows", help="per-bucket eval windows, e.g. en=16,zh=8,code=8 (EvalConfig default)")
@@ -392,6 +395,8 @@ def main(argv: list[str] | None = None) -> None:
         metrics = {k: report[k] for k in ("sparsity", "pruned_params", "total_params", "per_module", "timings_s",
                                           "refit") if k in report}
         metrics["peak_rss_gib"] = round(peak_rss_gib(), 3)  # this process: load + calibration (the eval runs apart)
+        if (gpu := peak_device_memory_gib(default_device())) is not None:
+            metrics["peak_gpu_memory_gib"] = round(gpu, 3)
         metrics["peak_rss_before_model_gib"] = round(before_model, 3)
         if args.eval:
             del model

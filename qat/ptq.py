@@ -19,7 +19,7 @@ import torch
 
 from core.artifact import parent_record, write_manifest
 from core.calibrate import FORWARD_DTYPES, HESSIAN_DTYPES, CalibConfig, run_blocks, shared_inputs
-from core.device import default_device, peak_rss_gib, release_memory
+from core.device import default_device, peak_device_memory_gib, peak_rss_gib, release_memory, synchronize
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.evaluation import evaluate_dir
 from core.files import atomic_dir
@@ -79,6 +79,7 @@ def quantize_model(model, method: str, spec: QuantSpec, masks: dict, windows: to
         for name, lin, wq_i, s_i, z_i in parts:
             lin.weight.data.copy_(wq_i.to(lin.weight.dtype))
             qparams[name] = (s_i.contiguous(), None if z_i is None else z_i.contiguous())
+        synchronize()  # the sweep's queued GPU kernels are its time
         seconds["quantize_s"] += time.perf_counter() - t0
 
     def block_done(block_name: str) -> None:
@@ -138,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
                          "suffixes ('feed_forward.w2'), comma-separated")
     ap.add_argument("--max-memory", type=float, metavar="GIB",
                     help="stream the model: blocks read from the checkpoint one at a time and the artifact "
-                         "written block by block, refused unless the calibration's estimated footprint fits GIB")
+                         "written block by block, refused unless the calibration's estimated footprint fits GIB "
+                         "(on a GPU: of GPU memory, and the GPU's free memory)")
     ap.add_argument("--eval", action="store_true", help="evaluate against the teacher into the manifest")
     args = ap.parse_args(argv)
     skip = tuple(s.strip() for s in args.skip.split(",") if s.strip())
@@ -185,6 +187,8 @@ def main(argv: list[str] | None = None) -> None:
                 _, report = quantize(stream=stream, write_qparams=qout.write)
         report["wall_s"] = time.perf_counter() - t0
         report["peak_rss_gib"] = round(peak_rss_gib(), 3)  # load + calibration (the eval runs apart)
+        if (gpu := peak_device_memory_gib(device)) is not None:
+            report["peak_gpu_memory_gib"] = round(gpu, 3)
         report["peak_rss_before_model_gib"] = round(before_model, 3)
         metrics = {"ptq": report}
         if stream is None:

@@ -49,7 +49,7 @@ for fwd in float32 bfloat16; do
   $py -m prune.bench --method sparsegpt --pattern 2:4 --calib-forward "$fwd" --calib-hessian float32 \
     --json "$out/sparsegpt-$fwd.json" | tee -a "$out/summary.txt"
   $py -m qat.ptq --method gptq --group-size 64 --act-order --calib-forward "$fwd" --calib-hessian float32 \
-    --out "$run/gptq-$fwd" | tee -a "$out/summary.txt"  # prints its time; the manifest has the peak RSS
+    --out "$run/gptq-$fwd" | tee -a "$out/summary.txt"  # prints its time; the manifest has the peak RSS and GPU memory
   cp "$run/gptq-$fwd/manifest.json" "$out/gptq-$fwd.manifest.json"
 done
 # true-sequential with bf16 XᵀX products summed in fp64: the fastest setting at equal quality on the CPU (README)
