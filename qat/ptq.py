@@ -24,6 +24,7 @@ from core.errors import ArgumentParser, SmeltError, run_cli
 from core.evaluation import evaluate_dir
 from core.files import atomic_dir
 from core.masks import MASKS_FILE, MasksOnDisk, load_dense_rows, load_masks, save_masks
+from core.sidefiles import closed_at_end
 from models.hf_io import load_hf, load_tokenizer, save_hf
 from models.llama import DEFAULT_SKIP
 from models.mtp import MTP_FILE
@@ -31,7 +32,7 @@ from models.streamed import StreamedModel, check_memory
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 from qat.fake_quant import quantized_linears
 from qat.gptq import gptq_quantize
-from qat.qparams import StreamedQparams, save_qparams, spec_to_dict
+from qat.qparams import StreamedQparams, spec_to_dict
 from qat.quantizers import QuantSpec, check_group, rtn
 
 
@@ -41,10 +42,14 @@ def quantize_model(model, method: str, spec: QuantSpec, masks: dict, windows: to
                    stream: StreamedModel | None = None, write_qparams: Callable[[dict], None] | None = None):
     """Quantize the model's linears in place; returns ({name: (scale, zp)}, report).
 
-    stream: the model is a StreamedModel's (meta until each block is loaded); each block's qparams then go
-    to `write_qparams` as soon as the block is done, and the returned dict is empty."""
+    stream: the model is a StreamedModel's (meta until each block is loaded).
+    write_qparams: each block's qparams go to it as soon as the block is done (streamed or not), the rest
+    (linears outside the blocks) at the end, and the returned dict is empty."""
     names = quantized_linears(model, skip, field="--skip")
     outside = [n for n in names if not n.startswith("layers.")]
+    if method == "gptq" and outside:  # it calibrates block by block: a linear outside would stay unquantized
+        raise SmeltError(f"--skip: gptq calibrates the transformer blocks only; {outside[0]} is outside them "
+                         "(add it to --skip, or quantize it with rtn)")
     if stream is not None and outside:
         raise SmeltError(f"--max-memory streams the transformer blocks only; {outside[0]} is outside them "
                          "(add it to --skip)")
@@ -83,18 +88,19 @@ def quantize_model(model, method: str, spec: QuantSpec, masks: dict, windows: to
         seconds["quantize_s"] += time.perf_counter() - t0
 
     def block_done(block_name: str) -> None:
-        if write_qparams is not None:  # streamed: this block's qparams leave now, not at the end
+        if write_qparams is not None:  # this block's qparams leave now, not at the end
             write_qparams({n: qparams.pop(n) for n in list(qparams) if n.startswith(block_name + ".")})
 
-    if method == "rtn" and stream is not None:  # each block loaded, quantized, written, freed
+    if method == "rtn":  # block by block (loaded and freed when streamed), its qparams leaving with it
         for key, block in model.layers.items():
-            stream.load(f"layers.{key}", block)
+            if stream is not None:
+                stream.load(f"layers.{key}", block)
             for name in (n for n in names if n.startswith(f"layers.{key}.")):
                 quantize_group([name], None)
             block_done(f"layers.{key}")
-            stream.release(f"layers.{key}", block)
-    elif method == "rtn":
-        for name in names:
+            if stream is not None:
+                stream.release(f"layers.{key}", block)
+        for name in outside:
             quantize_group([name], None)
     elif method == "gptq":
         def on_block(block_name, block, stats):
@@ -104,6 +110,9 @@ def quantize_model(model, method: str, spec: QuantSpec, masks: dict, windows: to
                                   progress=progress, stream=stream, block_done=block_done))
     else:
         raise SmeltError(f"--method {method!r} is not one of rtn, gptq")
+    if write_qparams is not None and qparams:  # linears outside the blocks come last in the file, as in names
+        write_qparams(qparams)
+        qparams = {}
     return qparams, {"modules": len(names), "seconds": seconds}
 
 
@@ -179,10 +188,13 @@ def main(argv: list[str] | None = None) -> None:
 
     with atomic_dir(out, overwrite=args.overwrite) as tmp:
         t0 = time.perf_counter()
+        # qparams leave block by block in both paths: long-lived small tensors between a calibration's
+        # transients fragment the heap (prune.run's masks, the same way, cost up to 0.3 GiB of peak RSS)
+        qout = StreamedQparams(tmp, {n: tuple(model.get_submodule(n).weight.shape) for n in names}, spec)
         if stream is None:
-            qparams, report = quantize()
-        else:  # weights and qparams written block by block as calibration finishes them
-            qout = StreamedQparams(tmp, {n: tuple(model.get_submodule(n).weight.shape) for n in names}, spec)
+            with closed_at_end(qout):
+                _, report = quantize(write_qparams=qout.write)
+        else:  # weights written block by block too
             with stream.writing(tmp, qout):
                 _, report = quantize(stream=stream, write_qparams=qout.write)
         report["wall_s"] = time.perf_counter() - t0
@@ -193,7 +205,6 @@ def main(argv: list[str] | None = None) -> None:
         metrics = {"ptq": report}
         if stream is None:
             save_hf(model, tmp, tokenizer=tokenizer)
-            save_qparams(model, qparams, spec, tmp)
             if masks:
                 save_masks(model, masks, tmp, load_dense_rows(src))
         else:

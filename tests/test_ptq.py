@@ -5,11 +5,12 @@ import subprocess
 import sys
 
 import torch
-from conftest import ROOT
+from conftest import ROOT, tiny_config
 
 from core.calibrate import CalibConfig
 from core.patterns import NMPattern
-from models.hf_io import load_hf
+from models.hf_io import load_hf, save_hf
+from models.llama import build_model
 from qat.ptq import quantize_model
 from qat.qparams import read_qparams
 from qat.quantizers import QuantSpec
@@ -46,7 +47,7 @@ def test_gptq_beats_rtn_on_the_model_output_and_keeps_masks(tiny_model_dir, byte
     assert outs["gptq"] < outs["rtn"]
 
 
-def test_ptq_cli_writes_a_quantized_artifact(tiny_model_dir, tmp_path):
+def test_ptq_cli_writes_a_quantized_artifact(tiny_model_dir, tmp_path, byte_tokenizer):
     out = tmp_path / "rtn"
     proc = subprocess.run([sys.executable, "-m", "qat.ptq", "--teacher", str(tiny_model_dir), "--method", "rtn",
                            "--group-size", "32", "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
@@ -84,6 +85,25 @@ def test_ptq_cli_writes_a_quantized_artifact(tiny_model_dir, tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert sorted(read_qparams(kept)[0]) == sorted(n for n in qparams if n.startswith("layers.0."))
+    # an untied head, outside the blocks: RTN quantizes it (its qparams written after the blocks'), GPTQ,
+    # which calibrates block by block, refuses it rather than leave it unquantized
+    untied = tmp_path / "untied"
+    untied.mkdir()
+    model = build_model(tiny_config("debug-untied", max_seq_len=512), seed=1)
+    save_hf(model, untied, tokenizer=byte_tokenizer)
+    head = subprocess.run([sys.executable, "-m", "qat.ptq", "--teacher", str(untied), "--method", "rtn",
+                           "--group-size", "32", "--skip", "tok_embeddings", "--out", str(tmp_path / "head")],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert head.returncode == 0, head.stderr[-2000:]
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert linears[-1] == "output" and sorted(read_qparams(tmp_path / "head")[0]) == sorted(linears)
+    gptq_head = subprocess.run([sys.executable, "-m", "qat.ptq", "--teacher", str(untied), "--method",
+                                "gptq", "--group-size", "32", "--skip", "tok_embeddings", "--out",
+                                str(tmp_path / "gh")], cwd=ROOT, capture_output=True, text=True)
+    assert gptq_head.returncode == 2 and gptq_head.stderr.strip().splitlines()[-1] == (
+        "error: --skip: gptq calibrates the transformer blocks only; output is outside them (add it to --skip, "
+        "or quantize it with rtn)")
+    assert not (tmp_path / "gh").exists()
 
 
 def test_one_gptq_sweep_over_linears_sharing_an_input_equals_one_sweep_each(tiny_model_dir, byte_tokenizer):
