@@ -34,12 +34,10 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, NoReturn
+from typing import TYPE_CHECKING, ClassVar, NoReturn
 
-import datasets
 import numpy as np
 import torch
-from datasets.distributed import split_dataset_by_node
 
 from core.artifact import read_manifest
 from core.data import (
@@ -55,6 +53,9 @@ from core.data import (
     split_corpora,
 )
 from core.errors import SmeltError
+
+if TYPE_CHECKING:  # datasets (with pyarrow: 0.1 GiB of RSS) loads only where a stream is built, not for
+    import datasets  # every stage that imports this module for its settings
 
 SELF_TEXT_FILE = "text.jsonl"  # distill.self_text's rows in its output directory: a source of this kind
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -177,6 +178,8 @@ def _pieces(text: str) -> list[str]:
 
 def build_dataset(config: TextSourceConfig) -> tuple[str, datasets.IterableDataset]:
     """The source as one streaming dataset (not yet split between ranks) and its kind."""
+    import datasets
+
     kind, what = config.resolve()
     if kind == "hf":
         name, cfg = what
@@ -231,6 +234,8 @@ class PackedTextStream:
 
     def _start_epoch(self, ds_state: dict | None) -> None:
         # A fresh split each epoch, so a resumed position applies to the epoch it was saved in only.
+        from datasets.distributed import split_dataset_by_node
+
         ds = split_dataset_by_node(self._base, rank=self.rank, world_size=self.world)
         if self.config.shuffle_buffer:
             ds.set_epoch(1 + self.config.seed * 100003 + self.epoch)  # shard order per (seed, epoch)

@@ -188,8 +188,8 @@ def main(argv: list[str] | None = None) -> None:
 
     with atomic_dir(out, overwrite=args.overwrite) as tmp:
         t0 = time.perf_counter()
-        # qparams leave block by block in both paths: long-lived small tensors between a calibration's
-        # transients fragment the heap (prune.run's masks, the same way, cost up to 0.3 GiB of peak RSS)
+        # qparams leave block by block in both paths, as prune.run's masks: one writer, nothing held past its
+        # block (they are small: GPTQ's peak RSS did not move, results/bench/oneshot-gptq-qparams-streamed)
         qout = StreamedQparams(tmp, {n: tuple(model.get_submodule(n).weight.shape) for n in names}, spec)
         if stream is None:
             with closed_at_end(qout):
