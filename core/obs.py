@@ -85,10 +85,10 @@ def _factor(H: torch.Tensor, percdamp: float) -> tuple[torch.Tensor, torch.Tenso
         if ev[0] <= H.shape[0] * torch.finfo(H.dtype).eps * ev[-1]:
             raise singular
     damp = percdamp * scale
+    undamped = diag.clone()  # each try dampens H64 itself: no second [in, in] copy
     for _ in range(_RETRIES):
-        A = H64.clone()
-        A.diagonal().add_(damp)
-        L, info = torch.linalg.cholesky_ex(A)
+        diag.copy_(undamped).add_(damp)
+        L, info = torch.linalg.cholesky_ex(H64)
         if int(info) == 0:
             return L, dead
         if percdamp == 0:
@@ -108,7 +108,10 @@ def dampened_inverse_cholesky(H: torch.Tensor, percdamp: float = 0.01) -> tuple[
     """
     with _clock():  # int(info) syncs an accelerator, so the factorisation's time lands inside the clock
         L, dead = _factor(H, percdamp)
-        U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+        inverse = torch.cholesky_inverse(L)
+        del L  # two fp64 [in, in] at a time (models.streamed.footprint counts them)
+        U, info = torch.linalg.cholesky_ex(inverse, upper=True)
+        del inverse
         failed = int(info) != 0
     if failed:
         raise SmeltError("inverse Hessian is not positive definite in float64; increase dampening (percdamp)")

@@ -154,10 +154,11 @@ def footprint(cfg: LlamaConfig, n_windows: int, seq_len: int, batch_size: int, f
         # per token in the forward dtype) or at w2 (h in fp32; its norm and the down input: d + f)
         batch += n_windows * seq_len * max(5 * d * forward_bytes, 4 * d + (d + f) * forward_bytes)
     groups = linear_groups(cfg)
-    stats = sum(i * i * 12 if hessian else i * 8 for i, _ in groups)  # fp64 sums + one fp32 product
+    stats = sum(i * i * 12 if hessian else i * 8 for i, _ in groups)  # fp64 sums + H handed out in fp32
     if refit == "teacher":  # X_dᵀX: fp64 sums + one fp32 product
         stats += sum(i * i * 12 for i, _ in groups)
-    solve = max(3 * i * i * 4 + 3 * r * i * 4 for i, r in groups) if hessian else 0  # H, its inverse, W copies
+    # two fp64 [in, in] at a time (H and its factor, then the inverse and its factor: core.obs) and W copies
+    solve = max(2 * i * i * 8 + 3 * r * i * 4 for i, r in groups) if hessian else 0
     if refit:  # prune.algorithms.masked_refit: H_d and eight [rows, in] fp32 iterates
         solve = max(solve, max(i * i * 4 + 8 * r * i * 4 for i, r in groups))
     embed = cfg.vocab_size * d * 4 + activations + batch
