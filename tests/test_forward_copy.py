@@ -27,6 +27,10 @@ def test_the_bf16_forward_copy_keeps_the_residual_stream_fp32_and_halves_the_err
         whole = copy.deepcopy(block).to(torch.bfloat16)(x.bfloat16(), cos, sin)
     assert mixed.dtype == torch.float32 and set(seen.values()) == {torch.bfloat16} and len(seen) == 7
     assert all(p.dtype == torch.float32 for p in block.parameters())  # the block itself is untouched
+    ptrs = {p.data_ptr() for p in block.parameters()}
+    assert not ptrs & {p.data_ptr() for p in fwd.parameters()}  # a copy: nothing shared with the block
+    for (n, a), b in zip(fwd.named_parameters(), block.parameters(), strict=True):
+        assert torch.equal(a, b.to(a.dtype)), n  # the block's values, rounded once
     def err(y):
         return float((y.float() - ref).norm() / ref.norm())
     assert err(mixed) < err(whole) / 2  # the residual stream is where bf16 rounding piles up
