@@ -93,13 +93,13 @@ def test_ptq_cli_writes_a_quantized_artifact(tiny_model_dir, tmp_path, byte_toke
     save_hf(model, untied, tokenizer=byte_tokenizer)
     head = subprocess.run([sys.executable, "-m", "qat.ptq", "--teacher", str(untied), "--method", "rtn",
                            "--group-size", "32", "--skip", "tok_embeddings", "--out", str(tmp_path / "head")],
-                          cwd=ROOT, capture_output=True, text=True)
+                          cwd=ROOT, capture_output=True, text=True, check=False)
     assert head.returncode == 0, head.stderr[-2000:]
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     assert linears[-1] == "output" and sorted(read_qparams(tmp_path / "head")[0]) == sorted(linears)
     gptq_head = subprocess.run([sys.executable, "-m", "qat.ptq", "--teacher", str(untied), "--method",
                                 "gptq", "--group-size", "32", "--skip", "tok_embeddings", "--out",
-                                str(tmp_path / "gh")], cwd=ROOT, capture_output=True, text=True)
+                                str(tmp_path / "gh")], cwd=ROOT, capture_output=True, text=True, check=False)
     assert gptq_head.returncode == 2 and gptq_head.stderr.strip().splitlines()[-1] == (
         "error: --skip: gptq calibrates the transformer blocks only; output is outside them (add it to --skip, "
         "or quantize it with rtn)")
