@@ -29,14 +29,18 @@ def release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to do
         pass
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if _cuda_in_use():
         gc.collect()  # tensors in reference cycles still hold their blocks
         torch.cuda.empty_cache()
 
 
+def _cuda_in_use() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 def synchronize() -> None:
     """Wait for queued GPU work (a no-op on CPU), so a phase's timer does not stop before its kernels ran."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if _cuda_in_use():
         torch.cuda.synchronize()
 
 

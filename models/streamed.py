@@ -128,6 +128,18 @@ class StreamedModel:
             raise
 
 
+def blocks_in_order(model: nn.Module, stream: StreamedModel | None):
+    """(prefix, block) in layer order for stages that need no forward pass; with a stream each block is loaded
+    before it is handed out and released (written, freed) when the next one is asked for."""
+    for key, block in model.layers.items():
+        prefix = f"layers.{key}"
+        if stream is not None:
+            stream.load(prefix, block)
+        yield prefix, block
+        if stream is not None:
+            stream.release(prefix, block)
+
+
 def block_params(cfg: LlamaConfig) -> int:
     """Parameters of one transformer block (two norms, attention, SwiGLU MLP)."""
     d, q, kv = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim

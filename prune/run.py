@@ -34,7 +34,6 @@ from core.calibrate import (
     HESSIAN_DTYPES,
     REFIT_TARGETS,
     CalibConfig,
-    LinearStats,
     run_blocks,
     shared_inputs,
 )
@@ -43,6 +42,7 @@ from core.device import default_device, peak_device_memory_gib, peak_rss_gib, re
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.evaluation import evaluate_dir
 from core.files import atomic_dir
+from core.linear_stats import LinearStats
 from core.masks import StreamedMasks
 from core.obs import timed_inverses
 from core.patterns import NMPattern
@@ -51,7 +51,7 @@ from core.protected import read_protected
 from core.sidefiles import closed_at_end
 from models.hf_io import load_hf, load_tokenizer, save_hf
 from models.llama import DEFAULT_SKIP, linear_names
-from models.streamed import StreamedModel, check_memory
+from models.streamed import StreamedModel, blocks_in_order, check_memory
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 from prune import algorithms
 from prune.patterns import check_sparsity
@@ -236,15 +236,11 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
                              teacher_targets=refit == "teacher",
                              block_done=block_done)
             seconds["forward_s"], seconds["stats_s"] = ran["forward_s"], ran["stats_s"]
-        else:  # magnitude: block by block (loaded and freed when streamed), its masks leaving with it
-            for key, block in model.layers.items():
-                if stream is not None:
-                    stream.load(f"layers.{key}", block)
-                for name in (n for n in targets if n.startswith(f"layers.{key}.")):
+        else:  # magnitude: block by block, its masks leaving with it
+            for prefix, _ in blocks_in_order(model, stream):
+                for name in (n for n in targets if n.startswith(prefix + ".")):
                     prune_one(name, None)
-                block_done(f"layers.{key}")
-                if stream is not None:
-                    stream.release(f"layers.{key}", block)
+                block_done(prefix)
     seconds["prune_update_s"] = seconds.pop("prune_s") - seconds["hessian_inverse_s"] - seconds.get("refit_s", 0.0)
     seconds["total_s"] = time.perf_counter() - t_start
     pruned, total = sum(removed.values()), sum(modules[n].weight.numel() for n in removed)

@@ -28,7 +28,7 @@ from core.sidefiles import closed_at_end
 from models.hf_io import load_hf, load_tokenizer, save_hf
 from models.llama import DEFAULT_SKIP
 from models.mtp import MTP_FILE
-from models.streamed import StreamedModel, check_memory
+from models.streamed import StreamedModel, blocks_in_order, check_memory
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 from qat.fake_quant import quantized_linears
 from qat.gptq import gptq_quantize
@@ -91,15 +91,11 @@ def quantize_model(model, method: str, spec: QuantSpec, masks: dict, windows: to
         if write_qparams is not None:  # this block's qparams leave now, not at the end
             write_qparams({n: qparams.pop(n) for n in list(qparams) if n.startswith(block_name + ".")})
 
-    if method == "rtn":  # block by block (loaded and freed when streamed), its qparams leaving with it
-        for key, block in model.layers.items():
-            if stream is not None:
-                stream.load(f"layers.{key}", block)
-            for name in (n for n in names if n.startswith(f"layers.{key}.")):
+    if method == "rtn":  # block by block, its qparams leaving with it
+        for prefix, _ in blocks_in_order(model, stream):
+            for name in (n for n in names if n.startswith(prefix + ".")):
                 quantize_group([name], None)
-            block_done(f"layers.{key}")
-            if stream is not None:
-                stream.release(f"layers.{key}", block)
+            block_done(prefix)
         for name in outside:
             quantize_group([name], None)
     elif method == "gptq":

@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from core import calibrate
 from core.calibrate import CalibConfig, bf16_is_fast, run_blocks
 from core.device import peak_device_memory_gib
 from core.errors import SmeltError
+from core.linear_stats import LinearStats
 from models.llama import FLAVORS, build_model
 from models.streamed import check_memory
 
@@ -32,12 +32,12 @@ def test_xtx_products_never_sum_split_k_partials_in_bf16_and_the_flag_comes_back
     before = matmul.allow_bf16_reduced_precision_reduction
     matmul.allow_bf16_reduced_precision_reduction = True
     seen = []
-    add = calibrate.LinearStats.add
+    add = LinearStats.add
 
     def spy(self, *args, **kw):
         seen.append(matmul.allow_bf16_reduced_precision_reduction)
         return add(self, *args, **kw)
-    monkeypatch.setattr(calibrate.LinearStats, "add", spy)
+    monkeypatch.setattr(LinearStats, "add", spy)
     model = build_model(tiny_config("debug-untied", max_seq_len=64), seed=0).eval()
     windows = torch.randint(0, 260, (4, 16), generator=torch.Generator().manual_seed(0))
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.calibrate import SYM_TILE, LinearStats
+from core.linear_stats import SYM_TILE, LinearStats
 from core.obs import dampened_inverse_cholesky, inverse_hessian
 
 

@@ -464,7 +464,7 @@ def test_nm_sparsegpt_one_sweep_over_shared_inputs_equals_one_sweep_each(tiny_mo
 
 
 def test_linear_stats_tiles_give_the_full_symmetric_hessian():
-    from core.calibrate import SYM_TILE, LinearStats
+    from core.linear_stats import SYM_TILE, LinearStats
 
     d = 2 * SYM_TILE + 76  # three tile rows, the last one narrow
     X = torch.randn(2, 300, d, dtype=torch.float64)
