@@ -23,7 +23,8 @@ Precision (CalibConfig, measured in the README's time/quality table):
   per-batch products in bf16 (avx512-bf16 / AMX on CPU; each batch's entries rounded to 8 bits, the rounding
   averaging out over batches in the fp64 sum) and hands H out in fp32: rounding the sum itself to bf16 cost
   GPTQ +17-20% KL (README). Its rounding lies far above fp32's epsilon, where the rank test could not see
-  a singular H, so dampening (percdamp > 0) is required (CalibConfig.check_dampening).
+  a singular H, so dampening (percdamp > 0) is required (CalibConfig.check_dampening). "auto" is bf16 where
+  the hardware has bf16 matmul units, else fp32 (a CPU without them would emulate bf16, slower than fp32).
 - `forward`: the dtype of the block forward passes' matmuls. "bfloat16" runs a copy of each block whose
   linears hold bf16 weights (AMX / avx512-bf16 on CPU, tensor cores on GPU) while the residual stream and the
   norms stay fp32 (core.forward_copy); the statistics still come out in the wide type above, and the algorithms
@@ -63,7 +64,7 @@ class CalibConfig:
     forward: str = "float32"  # block forward dtype: float32, bfloat16, or auto (bf16 where the hardware has it)
     # XᵀX per batch in float64, float32 or bfloat16, summed over batches in float64. float32: 1.4x faster
     # SparseGPT / GPTQ at KL within the noise of any numerics change (README, "Speed of the one-shot stages").
-    hessian: str = "float32"
+    hessian: str = "float32"  # or auto: bf16 products where the hardware has bf16 units, else float32
     # Each group of linears sharing an input (q/k/v, o, gate/up, down) calibrated on inputs through the groups
     # of its block already changed (GPTQ's --true-sequential order), in one forward pass per block instead of
     # a statistics pass and an output pass (core.true_sequential); more activations live at once.
@@ -93,11 +94,17 @@ class CalibConfig:
         if self.hessian not in HESSIAN_DTYPES:
             raise SmeltError(f"calibration hessian={self.hessian!r} is not one of {', '.join(HESSIAN_DTYPES)}")
 
-    def check_dampening(self, percdamp: float) -> None:
-        """A Hessian method's dampening against these statistics: bf16 products need percdamp > 0."""
-        if self.hessian == "bfloat16" and percdamp == 0:
-            raise SmeltError("calibration hessian=bfloat16 needs percdamp > 0: its products' rounding would hide "
-                             "a singular Hessian from the rank test")
+    def check_dampening(self, percdamp: float, device: torch.device) -> None:
+        """A Hessian method's dampening against these statistics on `device`: bf16 products need percdamp > 0."""
+        if self.hessian_dtype(device) == torch.bfloat16 and percdamp == 0:
+            raise SmeltError(f"calibration hessian={self.hessian} needs percdamp > 0: its bf16 products' rounding "
+                             "would hide a singular Hessian from the rank test")
+
+    def hessian_dtype(self, device: torch.device) -> torch.dtype:
+        """Each batch's XᵀX product dtype on `device` ("auto" resolved: bf16 where it runs fast, else fp32)."""
+        if self.hessian == "auto":
+            return torch.bfloat16 if bf16_is_fast(device) else torch.float32
+        return getattr(torch, self.hessian)
 
     def forward_dtype(self, device: torch.device) -> torch.dtype:
         """The block forward dtype on `device` ("auto" resolved; bf16 refused where it cannot run fast)."""
@@ -118,7 +125,9 @@ class CalibConfig:
     def record(self, device: torch.device | str = "cpu") -> dict:
         """What a manifest records: these settings (the forward dtype resolved on `device`) plus the corpus's
         source and text hash."""
-        return {**asdict(self), "forward_dtype": str(self.forward_dtype(torch.device(device))).removeprefix("torch."),
+        device = torch.device(device)
+        return {**asdict(self), "forward_dtype": str(self.forward_dtype(device)).removeprefix("torch."),
+                "hessian_dtype": str(self.hessian_dtype(device)).removeprefix("torch."),
                 "corpus_record": corpus_record(self.corpus) if is_corpus_mix(self.corpus)
                 else source_record(CalibrationSourceConfig(source=self.corpus))}
 
@@ -127,7 +136,12 @@ FORWARD_DTYPES = ("float32", "bfloat16", "auto")
 # What a refit of the kept weights matches (prune.run --refit): the layer's own output on the model's inputs, or
 # the teacher's output there (run_blocks' teacher_targets)
 REFIT_TARGETS = ("layer", "teacher")
-HESSIAN_DTYPES = ("float64", "float32", "bfloat16")
+HESSIAN_DTYPES = ("float64", "float32", "bfloat16", "auto")
+
+
+def calibration_device(model: nn.Module, stream=None) -> torch.device:
+    """Where calibration runs: a streamed model's device (its weights wait on meta), else the model's own."""
+    return stream.device if stream is not None else model.tok_embeddings.weight.device
 
 
 def bf16_is_fast(device: torch.device) -> bool:
@@ -298,8 +312,8 @@ def run_blocks(model: nn.Module, windows: torch.Tensor | None, on_block: OnBlock
     seq_len = windows.shape[1]
     if seq_len > model.rope_cos.shape[0]:
         raise SmeltError(f"calibration seq_len={seq_len} exceeds the model's max_seq_len={model.rope_cos.shape[0]}")
-    device = stream.device if stream is not None else model.tok_embeddings.weight.device
-    product = getattr(torch, cfg.hessian)
+    device = calibration_device(model, stream)
+    product = cfg.hessian_dtype(device)
     fwd_dtype = cfg.forward_dtype(device)
     selected = _selector(targets)
     widest = max((m.in_features for n, m in model.layers.named_modules()

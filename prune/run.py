@@ -34,6 +34,7 @@ from core.calibrate import (
     HESSIAN_DTYPES,
     REFIT_TARGETS,
     CalibConfig,
+    calibration_device,
     run_blocks,
     shared_inputs,
 )
@@ -146,7 +147,7 @@ def prune_model(model: nn.Module, windows: torch.Tensor | None, method: str, spa
         sparsity = pattern.sparsity
     targets = check_settings(model, method, sparsity, pattern, skip, blocksize, percdamp, refit)
     if method in HESSIAN_METHODS or refit:
-        cfg.check_dampening(percdamp)
+        cfg.check_dampening(percdamp, calibration_device(model, stream))
     dense_rows = dense_rows or {}
     if set(dense_rows) - set(targets):
         raise SmeltError(f"dense rows declared for {sorted(set(dense_rows) - set(targets))[0]}, which is not pruned")
@@ -271,7 +272,8 @@ def _parse_args(argv):
     ap.add_argument("--calib-forward", default=CalibConfig.forward, choices=FORWARD_DTYPES,
                     help="block forward dtype (auto: bf16 where AMX/avx512-bf16 or a GPU has it)")
     ap.add_argument("--calib-hessian", default=CalibConfig.hessian, choices=HESSIAN_DTYPES,
-                    help="XᵀX per batch in float64, float32 or bfloat16, the batches summed in float64")
+                    help="XᵀX per batch in float64, float32 or bfloat16 (auto: bf16 where the hardware has it, else "
+                         "float32), the batches summed in float64")
     ap.add_argument("--blocksize", type=int, default=128, help="SparseGPT column block")
     ap.add_argument("--percdamp", type=float, default=0.01, help="Hessian dampening, fraction of mean(diag H)")
     ap.add_argument("--refit", choices=REFIT_TARGETS,
@@ -329,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
                       corpus=args.calib_corpus, forward=args.calib_forward, hessian=args.calib_hessian,
                       true_sequential=args.calib_true_sequential)
     if args.method in HESSIAN_METHODS or args.refit:
-        cfg.check_dampening(args.percdamp)
+        cfg.check_dampening(args.percdamp, default_device())
     skip = tuple(s.strip() for s in args.skip.split(",") if s.strip())
     eval_overrides = {"batch_size": args.eval_batch_size}
     if args.eval_windows:

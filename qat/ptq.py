@@ -18,7 +18,14 @@ from pathlib import Path
 import torch
 
 from core.artifact import parent_record, write_manifest
-from core.calibrate import FORWARD_DTYPES, HESSIAN_DTYPES, CalibConfig, run_blocks, shared_inputs
+from core.calibrate import (
+    FORWARD_DTYPES,
+    HESSIAN_DTYPES,
+    CalibConfig,
+    calibration_device,
+    run_blocks,
+    shared_inputs,
+)
 from core.device import default_device, peak_device_memory_gib, peak_rss_gib, release_memory, synchronize
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.evaluation import evaluate_dir
@@ -58,7 +65,7 @@ def quantize_model(model, method: str, spec: QuantSpec, masks: dict, windows: to
         check_group(modules[name].in_features, spec.group_size, name)
     calib = calib or CalibConfig()
     if method == "gptq":
-        calib.check_dampening(percdamp)
+        calib.check_dampening(percdamp, calibration_device(model, stream))
     qparams: dict[str, tuple] = {}
     seconds = {"quantize_s": 0.0}
 
@@ -133,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calib-forward", default=CalibConfig.forward, choices=FORWARD_DTYPES,
                     help="block forward dtype (auto: bf16 where AMX/avx512-bf16 or a GPU has it)")
     ap.add_argument("--calib-hessian", default=CalibConfig.hessian, choices=HESSIAN_DTYPES,
-                    help="XᵀX per batch in float64, float32 or bfloat16, the batches summed in float64")
+                    help="XᵀX per batch in float64, float32 or bfloat16 (auto: bf16 where the hardware has it, else "
+                         "float32), the batches summed in float64")
     ap.add_argument("--calib-true-sequential", action="store_true",
                     help="calibrate each group of a block's linears on inputs through the groups already quantized "
                          "(one forward per block; more activations held)")
@@ -159,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         calib = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, seed=args.seed,
                             corpus=args.calib_corpus, forward=args.calib_forward, hessian=args.calib_hessian,
                             true_sequential=args.calib_true_sequential)
-        calib.check_dampening(args.percdamp)
+        calib.check_dampening(args.percdamp, default_device())
     teacher_dir = resolve_teacher(args.teacher)
     src = Path(args.artifact) if args.artifact else teacher_dir
     device = default_device()  # calibration on the GPU when one is present

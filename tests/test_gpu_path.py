@@ -26,6 +26,22 @@ def test_bf16_forwards_only_on_gpus_with_bf16_units(monkeypatch, capability, fas
     assert bf16_is_fast(GPU) is fast
 
 
+@pytest.mark.parametrize(("capability", "product"), [((7, 0), torch.float32), ((8, 0), torch.bfloat16)])
+def test_auto_xtx_products_are_bf16_only_where_bf16_is_fast(monkeypatch, capability, product):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    cfg = CalibConfig(hessian="auto")
+    assert cfg.hessian_dtype(GPU) == product
+    assert cfg.hessian_dtype(torch.device("cpu")) == (torch.bfloat16 if bf16_is_fast(torch.device("cpu"))
+                                                      else torch.float32)
+    assert cfg.record(GPU)["hessian_dtype"] == str(product).removeprefix("torch.")
+    cfg.check_dampening(0.01, GPU)
+    if product == torch.bfloat16:  # what the products resolve to decides, not the setting's name
+        with pytest.raises(SmeltError, match="hessian=auto needs percdamp > 0: its bf16 products"):
+            cfg.check_dampening(0.0, GPU)
+    else:
+        cfg.check_dampening(0.0, GPU)  # fp32 products: the rank test judges H by fp32's epsilon
+
+
 @pytest.mark.parametrize("hessian", ["bfloat16", "float32"])
 def test_xtx_products_never_sum_split_k_partials_in_bf16_and_the_flag_comes_back(monkeypatch, hessian):
     matmul = torch.backends.cuda.matmul  # its settings are properties of torch's C side, not attributes

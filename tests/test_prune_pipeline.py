@@ -144,10 +144,11 @@ def test_float32_hessian_matches_float64_and_stays_honest_about_its_precision():
             Hb = coarse[block][name][0]
             assert Hb.dtype == torch.float32  # the fp64 sum of bf16 products, not rounded to bf16 again
             assert float((Hb.double() - H).norm() / H.norm()) < 1e-2
-    CalibConfig(hessian="bfloat16").check_dampening(0.01)
-    CalibConfig(hessian="float32").check_dampening(0.0)  # fp32's epsilon: the rank test judges it
+    cpu = torch.device("cpu")
+    CalibConfig(hessian="bfloat16").check_dampening(0.01, cpu)
+    CalibConfig(hessian="float32").check_dampening(0.0, cpu)  # fp32's epsilon: the rank test judges it
     with pytest.raises(SmeltError, match="hessian=bfloat16 needs percdamp > 0"):
-        CalibConfig(hessian="bfloat16").check_dampening(0.0)
+        CalibConfig(hessian="bfloat16").check_dampening(0.0, cpu)
 
 
 def test_bf16_forwards_keep_fp32_blocks_and_feed_the_modified_weights_on():

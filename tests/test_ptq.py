@@ -62,8 +62,8 @@ def test_ptq_cli_writes_a_quantized_artifact(tiny_model_dir, tmp_path, byte_toke
                                "--out", str(tmp_path / "g")], cwd=ROOT, capture_output=True, text=True,
                               check=False)
     assert undamped.returncode == 2 and undamped.stderr.strip().splitlines()[-1] == (  # before loading
-        "error: calibration hessian=bfloat16 needs percdamp > 0: its products' rounding would hide a singular "
-        "Hessian from the rank test")
+        "error: calibration hessian=bfloat16 needs percdamp > 0: its bf16 products' rounding would hide a "
+        "singular Hessian from the rank test")
     assert not (tmp_path / "g").exists()
     qparams, spec = read_qparams(out)
     assert spec.group_size == 32 and len(qparams) == 7 * 2
