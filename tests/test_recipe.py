@@ -99,7 +99,8 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
                     f"{run}/recovered-2of4-run --export_dir {run}/recovered-2of4 --training.steps 30 "
                     f"--training.mixed_precision_param bfloat16")],
         "quantize": [(f"python -m qat.ptq {t} --artifact {run}/recovered-2of4 --method gptq --act-order "
-                     f"--group-size 64 --calib-windows 32 --calib-forward auto --calib-corpus {MIX} --out {run}/gptq-2of4")],
+                     f"--group-size 64 --calib-windows 32 --calib-forward auto --calib-hessian auto --calib-corpus {MIX} "
+                     f"--out {run}/gptq-2of4")],
         "qat": [(f"{launch} --config smollm2_qat --student {run}/gptq-2of4 {t} --dump_folder "
                 f"{run}/qat-2of4-run --export_dir {run}/qat-2of4 --training.steps 24 "
                 f"--training.mixed_precision_param bfloat16")],
