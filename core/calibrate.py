@@ -139,6 +139,15 @@ REFIT_TARGETS = ("layer", "teacher")
 HESSIAN_DTYPES = ("float64", "float32", "bfloat16", "auto")
 
 
+def add_precision_args(ap) -> None:
+    """--calib-forward and --calib-hessian (CalibConfig.forward / .hessian) on a stage's argument parser."""
+    ap.add_argument("--calib-forward", default=CalibConfig.forward, choices=FORWARD_DTYPES,
+                    help="block forward dtype (auto: bf16 where AMX/avx512-bf16 or a GPU has it)")
+    ap.add_argument("--calib-hessian", default=CalibConfig.hessian, choices=HESSIAN_DTYPES,
+                    help="XᵀX per batch in float64, float32 or bfloat16 (auto: bf16 where the hardware has it, else "
+                         "float32), the batches summed in float64")
+
+
 def calibration_device(model: nn.Module, stream=None) -> torch.device:
     """Where calibration runs: a streamed model's device (its weights wait on meta), else the model's own."""
     return stream.device if stream is not None else model.tok_embeddings.weight.device

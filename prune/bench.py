@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 
-from core.calibrate import FORWARD_DTYPES, HESSIAN_DTYPES, CalibConfig
+from core.calibrate import CalibConfig, add_precision_args
 from core.device import default_device, machine_record, peak_device_memory_gib, peak_rss_gib
 from core.errors import ArgumentParser, run_cli
 from core.files import atomic_write_text
@@ -32,8 +32,7 @@ def main() -> None:
     ap.add_argument("--sparsity", type=float, default=0.5)
     ap.add_argument("--calib-windows", type=int, default=128)
     ap.add_argument("--calib-seq-len", type=int, default=512)
-    ap.add_argument("--calib-forward", default=CalibConfig.forward, choices=FORWARD_DTYPES)
-    ap.add_argument("--calib-hessian", default=CalibConfig.hessian, choices=HESSIAN_DTYPES)
+    add_precision_args(ap)
     ap.add_argument("--calib-true-sequential", action="store_true", help="one forward pass per block (README)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()

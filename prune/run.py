@@ -30,10 +30,9 @@ from torch import nn
 from configs.schema import build
 from core.artifact import weights_fingerprint, write_manifest
 from core.calibrate import (
-    FORWARD_DTYPES,
-    HESSIAN_DTYPES,
     REFIT_TARGETS,
     CalibConfig,
+    add_precision_args,
     calibration_device,
     run_blocks,
     shared_inputs,
@@ -269,11 +268,7 @@ def _parse_args(argv):
                     help="training corpus or a '+'-joined mix (wikitext2-valid+code-train+zh-train), a local "
                          "text/jsonl/parquet file or folder, or hf:<dataset>")
     ap.add_argument("--seed", type=int, default=CalibConfig.seed)
-    ap.add_argument("--calib-forward", default=CalibConfig.forward, choices=FORWARD_DTYPES,
-                    help="block forward dtype (auto: bf16 where AMX/avx512-bf16 or a GPU has it)")
-    ap.add_argument("--calib-hessian", default=CalibConfig.hessian, choices=HESSIAN_DTYPES,
-                    help="XᵀX per batch in float64, float32 or bfloat16 (auto: bf16 where the hardware has it, else "
-                         "float32), the batches summed in float64")
+    add_precision_args(ap)
     ap.add_argument("--blocksize", type=int, default=128, help="SparseGPT column block")
     ap.add_argument("--percdamp", type=float, default=0.01, help="Hessian dampening, fraction of mean(diag H)")
     ap.add_argument("--refit", choices=REFIT_TARGETS,

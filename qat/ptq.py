@@ -19,9 +19,8 @@ import torch
 
 from core.artifact import parent_record, write_manifest
 from core.calibrate import (
-    FORWARD_DTYPES,
-    HESSIAN_DTYPES,
     CalibConfig,
+    add_precision_args,
     calibration_device,
     run_blocks,
     shared_inputs,
@@ -137,11 +136,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="training corpus or a '+'-joined mix (wikitext2-valid+code-train+zh-train), a local "
                          "text/jsonl/parquet file or folder, or hf:<dataset>")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--calib-forward", default=CalibConfig.forward, choices=FORWARD_DTYPES,
-                    help="block forward dtype (auto: bf16 where AMX/avx512-bf16 or a GPU has it)")
-    ap.add_argument("--calib-hessian", default=CalibConfig.hessian, choices=HESSIAN_DTYPES,
-                    help="XᵀX per batch in float64, float32 or bfloat16 (auto: bf16 where the hardware has it, else "
-                         "float32), the batches summed in float64")
+    add_precision_args(ap)
     ap.add_argument("--calib-true-sequential", action="store_true",
                     help="calibrate each group of a block's linears on inputs through the groups already quantized "
                          "(one forward per block; more activations held)")

@@ -12,15 +12,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from pathlib import Path
 
 from core.errors import SmeltError, run_cli
+from core.files import atomic_write_text, read_json
 
 
 def _prompts(path: str) -> list[dict]:
-    grid = json.loads(Path(path).read_text())
-    langs = grid.get("languages", grid)
-    return [p for lang in sorted(langs) for p in langs[lang]["prompts"]]
+    langs = read_json(path, "an eval.needle result").get("languages", {})
+    prompts = [p for lang in sorted(langs) for p in langs[lang].get("prompts", [])]
+    if not prompts:
+        raise SmeltError(f"grids: {path} holds no needle prompts (write it with eval.needle --out)")
+    return prompts
 
 
 def mcnemar_p(lost: int, won: int) -> float:
@@ -61,10 +63,7 @@ def main() -> None:
     ref = _prompts(ref_path)
     summary = {"reference": ref_label, "files": dict(labelled),
                "against": {label: compare(ref, _prompts(path)) for label, path in rest}}
-    out = Path(args.out)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(summary, indent=1) + "\n")
-    tmp.replace(out)
+    atomic_write_text(args.out, json.dumps(summary, indent=1) + "\n")
     for label, rows in summary["against"].items():
         for length, r in rows.items():
             print(f"{label:>12} {length:>5}: {r['this']:.3f} against {r['reference']:.3f} ({ref_label}); "

@@ -53,3 +53,9 @@ def test_paired_counts_and_refusals(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and bad.stderr.strip() == "error: grids: give at least two LABEL=needle.json"
     assert not (tmp_path / "no.json").exists()
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")
+    none = subprocess.run([sys.executable, "scripts/needle_paired.py", "--out", str(tmp_path / "no.json"), f"ref={a}",
+                           f"x={empty}"], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert none.returncode == 2 and none.stderr.strip() == f"error: grids: {empty} holds no needle prompts (write it with eval.needle --out)"
+    assert not (tmp_path / "no.json").exists()
