@@ -180,22 +180,16 @@ class KVCache:
         self.v[:, :, start:start + new] = v
         self.pos = start + new
         keys, values = self.k[:, :, :self.pos], self.v[:, :, :self.pos]
-        bsz, n_heads, _, head_dim = q.shape
-        n_kv = keys.shape[1]
-        rep = n_heads // n_kv
+        # enable_gqa: query head h reads KV head h // rep from the cache in place, with the same results as
+        # repeating the cache per query head, which copied all of it every step and at batch 64 (distill.self_text)
+        # cost more than the step's attention (scripts/bench_decode_gqa.py; README, issue 13)
+        gqa = q.shape[1] != keys.shape[1]
         if new > 1 and start == 0:  # a prefill: the fused causal kernel, no [L, L] mask (half the time at 2K)
-            if rep > 1:
-                keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
-            return F.scaled_dot_product_attention(q, keys, values, is_causal=True)
-        # Decoding and verification: the `rep` query heads that share a KV head attend as rep x new rows of
-        # that head, so the cache is read in place. Repeating it per query head instead copied the whole
-        # cache every step, which at batch 64 cost more than the step's attention (README, issue 13).
-        q = q.reshape(bsz, n_kv, rep * new, head_dim)  # query head h = kv head h // rep (repeat_interleave's)
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
         mask = None
-        if new > 1:  # query i (absolute start + i) sees keys 0..start+i, in each of the rep row groups
-            mask = torch.ones(new, self.pos, dtype=torch.bool, device=q.device).tril(diagonal=start).repeat(rep, 1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        return out.reshape(bsz, n_heads, new, head_dim)
+        if new > 1:  # query i (absolute start + i) sees keys 0..start+i
+            mask = torch.ones(new, self.pos, dtype=torch.bool, device=q.device).tril(diagonal=start)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
 
 
 class FeedForward(nn.Module):

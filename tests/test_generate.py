@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import tiny_config
 
 from models.generate import next_token, sample
-from models.llama import build_model
+from models.llama import KVCache, build_model
 
 
 @pytest.mark.parametrize("flavor", ["debug", "debug-untied"])
@@ -22,6 +23,25 @@ def test_cached_decoding_matches_the_full_forward(flavor):
     for c in cache.values():
         c.truncate(16)
     assert torch.allclose(model(x[:, 16:], cache), full[:, 16:], atol=1e-5)
+
+
+@pytest.mark.parametrize("new, start", [(6, 0), (1, 6), (3, 6)])  # prefill, one-token step, verification
+def test_the_cache_reads_grouped_kv_heads_in_place_with_the_repeated_heads_results(new, start):
+    # 9 query heads on 3 KV heads (SmolLM2's grouping): the same numbers as repeating each KV head per query head,
+    # bit for bit, so in-place reads change no decoded token and no measured result
+    g = torch.Generator().manual_seed(0)
+    cache = KVCache(2, 3, 16, start + new)
+    if start:
+        cache.attend(*(torch.randn(2, h, start, 16, generator=g) for h in (9, 3, 3)))
+    q, k, v = (torch.randn(2, h, new, 16, generator=g) for h in (9, 3, 3))
+    out = cache.attend(q, k, v)
+    keys, values = (t[:, :, :start + new].repeat_interleave(3, dim=1) for t in (cache.k, cache.v))
+    if start == 0:  # the prefill's fused causal kernel
+        ref = F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+    else:
+        mask = torch.ones(new, start + new, dtype=torch.bool).tril(diagonal=start)
+        ref = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask if new > 1 else None)
+    assert torch.equal(out, ref)
 
 
 def test_cache_overflow_and_bad_truncation_are_refused():
