@@ -151,13 +151,26 @@ def test_smollm2_mtp_recipe_is_the_default_chain_plus_its_mtp_stages(capsys, tmp
         old, new = moved.get(name, ("", ""))
         assert [c.replace(old, new) for c in want["commands"]] == stages[name]["commands"], name
         assert want["evaluation"] == stages[name]["evaluation"], name
-    assert stages["self-text"]["tokens"] == 640 * 224 and stages["qat-text"]["tokens"] == 5120 * 224
+    assert stages["self-text"]["tokens"] == 1280 * 128 and stages["qat-text"]["tokens"] == 1280 * 128
+    assert "--prompt-len 128 " in stages["self-text"]["commands"][0] and "--seed 2 " in stages["qat-text"]["commands"][0]
+    # KL to the main model only, on text half of which is real: the realign stage at its lower lr
+    assert "--config smollm2_mtp_kl " in stages["mtp"]["commands"][0]
+    assert "--config smollm2_mtp_realign_kl " in stages["realign"]["commands"][0]
     assert stages["mtp"]["commands"][0].endswith(f"--dataloader.source {run}/self-text/text.jsonl")
     assert f"--student {run}/qat-2of4 " in stages["realign"]["commands"][0]
     assert stages["realign"]["commands"][0].endswith(f"--dataloader.source {run}/qat-text/text.jsonl")
     assert stages["mtp"]["evaluation"] is None and stages["realign"]["evaluation"] is None
     # the release keeps the QAT'd main model's evaluation (the realign stage trains only the module)
     assert stages["release"]["commands"][0].endswith(f"--metrics {run}/evals/qat-2of4.json")
+
+
+def test_smollm2_mtp_configs_distil_only_the_main_model():
+    """The MTP chain's two training configs: KL to the frozen main model, no CE; re-alignment at the lower lr."""
+    from train.config_registry import smollm2_mtp_kl, smollm2_mtp_realign_kl
+    for make, lr in ((smollm2_mtp_kl, 5e-4), (smollm2_mtp_realign_kl, 1e-4)):
+        cfg = make()
+        assert cfg.loss.ce_weight == 0.0 and cfg.model_spec.model.mtp.target == "main", make.__name__
+        assert cfg.optimizer.param_groups[0].optimizer_kwargs["lr"] == lr, make.__name__
 
 
 def test_llama_8b_plan_shapes_parallelism_and_memory(capsys, tmp_path, monkeypatch):
