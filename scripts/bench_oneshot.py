@@ -9,7 +9,8 @@ teacher (per-bucket KL mean / P99, PPL) next to the first setting's.
         [--stage-settings wanda=float32/float64,bfloat16/float64] [--repeats 1] [--windows 128]
 
 A setting is FORWARD/HESSIAN (CalibConfig.forward / .hessian), FORWARD/HESSIAN/ts (and true-sequential
-calibration, CalibConfig.true_sequential), or `today`: the same stage command run from
+calibration, CalibConfig.true_sequential), FORWARD/HESSIAN/ns (every block calibrated on the dense model's
+activations, one forward per block: CalibConfig.sequential off, the stage's --no-sequential), or `today`: the same stage command run from
 --today-tree, a checkout of the code before these levers (`git worktree add /tmp/today <commit>`), with its
 own defaults; or LABEL from `--tree LABEL=PATH`: another checkout, run the same way (e.g. the previous
 commit, to time one change). Writes OUT/summary.json (+ each run's manifest as OUT/<stage>-<setting>-r<k>.manifest.json).
@@ -85,10 +86,11 @@ def main() -> None:
                 if setting not in trees:
                     fwd, hess, *order = setting.split("/")
                     cmd += ["--calib-forward", fwd, "--calib-hessian", hess]
-                    if order:  # FORWARD/HESSIAN/ts: true-sequential (one forward pass per block)
-                        if order != ["ts"]:
-                            raise SystemExit(f"setting {setting!r}: the third part can only be 'ts'")
-                        cmd.append("--calib-true-sequential")
+                    orders = {"ts": "--calib-true-sequential", "ns": "--no-sequential"}  # one forward pass per block
+                    if order:
+                        if len(order) != 1 or order[0] not in orders:
+                            raise SystemExit(f"setting {setting!r}: the third part can only be 'ts' or 'ns'")
+                        cmd.append(orders[order[0]])
                 cwd = trees.get(setting)
                 print(f"$ {'(in ' + cwd + ') ' if cwd else ''}python", " ".join(cmd[1:]), flush=True)
                 proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
