@@ -10,7 +10,7 @@ teacher (per-bucket KL mean / P99, PPL) next to the first setting's.
 
 A setting is FORWARD/HESSIAN (CalibConfig.forward / .hessian), FORWARD/HESSIAN/ts (and true-sequential
 calibration, CalibConfig.true_sequential), FORWARD/HESSIAN/ns (every block calibrated on the dense model's
-activations, one forward per block: CalibConfig.sequential off, the stage's --no-sequential), or `today`: the same stage command run from
+activations, one forward per block: CalibConfig.sequential off), or `today`: the same stage command run from
 --today-tree, a checkout of the code before these levers (`git worktree add /tmp/today <commit>`), with its
 own defaults; or LABEL from `--tree LABEL=PATH`: another checkout, run the same way (e.g. the previous
 commit, to time one change). Writes OUT/summary.json (+ each run's manifest as OUT/<stage>-<setting>-r<k>.manifest.json).
@@ -33,6 +33,7 @@ COMMANDS = {
     "wanda": ["-m", "prune.run", "--method", "wanda", "--pattern", "2:4"],
     "gptq": ["-m", "qat.ptq", "--method", "gptq", "--group-size", "64", "--act-order"],
 }
+ORDERS = {"ts": "--calib-true-sequential", "ns": "--no-sequential"}  # a setting's third part: one forward per block
 
 
 def _work(manifest: dict) -> tuple[float, float]:
@@ -64,7 +65,6 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
     out, runs = Path(args.out), Path(args.runs)
-    out.mkdir(parents=True, exist_ok=True)
     stages = args.stages.split(",")
     per_stage = {st: args.settings.split(",") for st in stages}
     for item in args.stage_settings:
@@ -76,6 +76,12 @@ def main() -> None:
     trees = dict(t.split("=", 1) for t in args.tree)
     if args.today_tree:
         trees["today"] = args.today_tree
+    for setting in {x for settings in per_stage.values() for x in settings if x not in trees}:
+        parts = setting.split("/")  # checked before any run: a typo must not cost the runs before it
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ORDERS):
+            ap.error(f"setting {setting!r} must be FORWARD/HESSIAN[/ts|/ns], or `today` with --today-tree, "
+                     "or a --tree label")
+    out.mkdir(parents=True, exist_ok=True)
     results: dict[tuple[str, str], list[dict]] = {}
     for r in range(args.repeats):
         for st in stages:
@@ -86,11 +92,8 @@ def main() -> None:
                 if setting not in trees:
                     fwd, hess, *order = setting.split("/")
                     cmd += ["--calib-forward", fwd, "--calib-hessian", hess]
-                    orders = {"ts": "--calib-true-sequential", "ns": "--no-sequential"}  # one forward pass per block
                     if order:
-                        if len(order) != 1 or order[0] not in orders:
-                            raise SystemExit(f"setting {setting!r}: the third part can only be 'ts' or 'ns'")
-                        cmd.append(orders[order[0]])
+                        cmd.append(ORDERS[order[0]])
                 cwd = trees.get(setting)
                 print(f"$ {'(in ' + cwd + ') ' if cwd else ''}python", " ".join(cmd[1:]), flush=True)
                 proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
