@@ -4,8 +4,13 @@ evaluated with --eval) and
 writes, per setting and bucket, every seed's KL mean / P99 / PPL, their mean and their range as a share of the
 mean; each manifest is copied next to the summary.
 
-    python scripts/seed_spread.py --out results/bench/oneshot-seeds \
+    python scripts/seed_spread.py --out results/bench/oneshot-seeds [--reference today] \
         today=runs/seeds/today-seed0,runs/seeds/today-seed1 fast=runs/seeds/fast-seed0,runs/seeds/fast-seed1
+
+With --reference LABEL, every other setting is also compared with that one seed by seed (the same seed draws
+the same calibration windows in both): per bucket and metric the mean paired difference as a share of the
+reference's mean, its standard error over the seeds (sd / sqrt(n)), and the reference's own seed-to-seed sd in
+the same units, so a difference can be read against the draw's noise (`paired` in spread.json).
 """
 from __future__ import annotations
 
@@ -41,12 +46,34 @@ def spread(dirs: list[Path]) -> dict:
     return out
 
 
+def paired(setting: dict, reference: dict) -> dict:
+    """{bucket: {metric: {"diff_pct", "se_pct", "n", "reference_sd_pct"}}} over the seeds both settings ran."""
+    out = {}
+    for bucket, ms in setting.items():
+        out[bucket] = {}
+        for k in METRICS:
+            ref = reference[bucket][k]
+            seeds = sorted(set(ms[k]["seeds"]) & set(ref["seeds"]))
+            if len(seeds) < 2:
+                raise SystemExit(f"fewer than two seeds in common with the reference for {bucket} {k}")
+            m = ref["mean"]
+            d = [100 * (ms[k]["seeds"][s] - ref["seeds"][s]) / m for s in seeds]
+            out[bucket][k] = {"diff_pct": round(statistics.fmean(d), 2),
+                              "se_pct": round(statistics.stdev(d) / len(d) ** 0.5, 2), "n": len(seeds),
+                              "reference_sd_pct": round(100 * statistics.stdev(ref["seeds"].values()) / m, 2)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--reference", help="the LABEL every other setting is compared with, seed by seed")
     ap.add_argument("settings", nargs="+", help="LABEL=RUN,RUN,...: one setting's runs (directories or manifest "
                     "files), one per seed")
     args = ap.parse_args()
+    labels = [item.partition("=")[0] for item in args.settings]
+    if args.reference is not None and args.reference not in labels:
+        ap.error(f"--reference {args.reference!r} is none of the settings' labels ({', '.join(labels)})")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = {}
@@ -57,12 +84,20 @@ def main() -> None:
         for p in paths:
             name = p.name.removesuffix(".manifest.json")
             shutil.copy(_manifest(p), out / f"{label}-{name}.manifest.json")
+    if args.reference is not None:
+        summary["paired"] = {label: paired(summary[label], summary[args.reference])
+                             for label in labels if label != args.reference}
     tmp = out / "spread.json.tmp"
     tmp.write_text(json.dumps(summary, indent=1) + "\n")
     tmp.replace(out / "spread.json")
-    for label, buckets in summary.items():
-        for bucket, ms in buckets.items():
+    for label in labels:
+        for bucket, ms in summary[label].items():
             print(label, bucket, "  ".join(f"{k} {v['mean']:.4f} (range {v['range_pct']:.1f}%)" for k, v in ms.items()))
+    for label, buckets in summary.get("paired", {}).items():
+        for bucket, ms in buckets.items():
+            print(f"{label} - {args.reference}", bucket, "  ".join(
+                f"{k} {v['diff_pct']:+.2f} ± {v['se_pct']:.2f}% (ref sd {v['reference_sd_pct']:.2f}%)"
+                for k, v in ms.items()))
 
 
 if __name__ == "__main__":
