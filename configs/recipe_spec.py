@@ -77,7 +77,7 @@ class PruneStage(Stage):            # prune.run on the teacher
     calib_forward: str | None = None  # block forward dtype (core.calibrate.FORWARD_DTYPES); None: float32
     calib_hessian: str | None = None  # each batch's XᵀX product dtype (core.calibrate.HESSIAN_DTYPES); None: float32
     calib_true_sequential: bool = False  # one forward pass per block, each group on the pruned ones' outputs
-    refit: str | None = None        # kept weights re-solved for the mask (prune.run --refit layer|teacher); None: off
+    refit: str | None = None        # kept weights re-solved for the mask (prune.run --refit layer|teacher); "none"/None: off
     evaluate: bool = True
 
 
@@ -387,8 +387,10 @@ def check(recipe: Recipe, registry: dict) -> None:
             NMPattern.parse(st.pattern, f"{where}.pattern")
         if isinstance(st, (PruneStage, PtqStage)) and st.calib_windows is not None and st.calib_windows < 1:
             raise SmeltError(f"{where}.calib_windows={st.calib_windows} must be >= 1")
+        if isinstance(st, PruneStage) and st.refit == "none":  # TOML has no null: how --set turns a file's refit off
+            st.refit = None
         if isinstance(st, PruneStage) and st.refit not in (None, *REFIT_TARGETS):
-            raise SmeltError(f"{where}.refit {st.refit!r} is not one of {', '.join(REFIT_TARGETS)}")
+            raise SmeltError(f"{where}.refit {st.refit!r} is not one of {', '.join((*REFIT_TARGETS, 'none'))}")
         if isinstance(st, PruneStage) and st.refit == "teacher" and st.calib_true_sequential:
             raise SmeltError(f"{where}: refit = \"teacher\" needs calib_true_sequential = false (the teacher's "
                              "stream runs each block unchanged)")

@@ -63,11 +63,14 @@ def test_prune_refit_and_true_sequential_reach_their_commands(capsys, tmp_path):
     smol.mkdir()
     (smol / "config.json").write_text(json.dumps(config_to_hf(FLAVORS["smollm2-135m"])))
     _, plan = _dry_run(capsys, RECIPES / "smollm2-cpu.toml", tmp_path, "--teacher-config", smol,
-                       "--set", f"run_dir={tmp_path}/run", "--set", "stages.prune.refit=layer",
+                       "--set", f"run_dir={tmp_path}/run",
                        "--set", "stages.quantize.calib_true_sequential=true",
                        "--set", "stages.quantize.calib_hessian=bfloat16")
     prune = next(s for s in plan["stages"] if s["name"] == "prune")
-    assert len(prune["commands"]) == 1 and " --refit layer --out " in prune["commands"][0]
+    assert len(prune["commands"]) == 1 and " --refit layer --out " in prune["commands"][0]  # the recipe's default
+    _, off = _dry_run(capsys, RECIPES / "smollm2-cpu.toml", tmp_path, "--teacher-config", smol,
+                      "--set", f"run_dir={tmp_path}/run", "--set", "stages.prune.refit=none")
+    assert "--refit" not in next(s for s in off["stages"] if s["name"] == "prune")["commands"][0]
     assert "--calib-true-sequential" not in prune["commands"][0]
     gptq = next(s for s in plan["stages"] if s["name"] == "quantize")
     assert " --calib-hessian bfloat16 --calib-true-sequential " in gptq["commands"][0]
@@ -94,7 +97,7 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
         "prune": [(f"python -m prune.run {t} --method sparsegpt --pattern 2:4 --protect {run}/heads.json "
                   f"--skip output,tok_embeddings,attention.wq,attention.wk,attention.wv,attention.wo "
                   f"--calib-windows 64 --calib-seq-len 512 --calib-forward auto --calib-corpus {MIX} "
-                  f"--out {run}/pruned-2of4")],
+                  f"--refit layer --out {run}/pruned-2of4")],
         "recover": [(f"{launch} --config smollm2_recover --student {run}/pruned-2of4 {t} --dump_folder "
                     f"{run}/recovered-2of4-run --export_dir {run}/recovered-2of4 --training.steps 30 "
                     f"--training.mixed_precision_param bfloat16")],
@@ -131,14 +134,15 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
 
 def test_smollm2_mtp_recipe_is_the_default_chain_plus_its_mtp_stages(capsys, tmp_path):
     """smollm2-cpu-mtp.toml: every stage of the default recipe with the same command (its own run_dir; GPTQ
-    reads the artifact that carries the module), and the four MTP stages on the texts their main models wrote."""
+    reads the artifact that carries the module; no refit, as it was measured before the default took one), and
+    the four MTP stages on the texts their main models wrote."""
     smol = tmp_path / "smollm2-config"
     smol.mkdir()
     (smol / "config.json").write_text(json.dumps(config_to_hf(FLAVORS["smollm2-135m"])))
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     _, default = _dry_run(capsys, RECIPES / "smollm2-cpu.toml", tmp_path / "a", "--teacher-config", smol,
-                          "--set", f"run_dir={tmp_path}/run")
+                          "--set", f"run_dir={tmp_path}/run", "--set", "stages.prune.refit=none")
     _, mtp = _dry_run(capsys, RECIPES / "smollm2-cpu-mtp.toml", tmp_path / "b", "--teacher-config", smol,
                       "--set", f"run_dir={tmp_path}/run")
     base, stages = {s["name"]: s for s in default["stages"]}, {s["name"]: s for s in mtp["stages"]}
