@@ -1,10 +1,10 @@
-"""How far apart two pruned artifacts' masks are: the share of N:M groups (the pattern read from the first
-mask's groups of 4 along the input dimension) whose kept set differs, per block and in all. It tells a numerics
+"""How far apart two pruned artifacts' masks are: the share of 2:4 groups (4 consecutive inputs of a row) whose kept
+set differs, per block and in all. It tells a numerics
 change (same calibration windows, another dtype) from a draw (another calibration seed): block 0 sees the same
 inputs in both runs, so its share is the numerics' own effect; later blocks add what the sequential calibration
 carried on.
 
-    python scripts/mask_agreement.py --out results/bench/oneshot-seeds-wanda-ns/mask-agreement.json \
+    python scripts/mask_agreement.py --out results/bench/oneshot-seeds-wanda-6/mask-agreement.json \
         bf16-vs-today:runs/seeds-ns/today-seed1=runs/seeds-ns/bf16-seed1 ...
 """
 from __future__ import annotations
@@ -63,8 +63,9 @@ def main() -> None:
             raise SmeltError(f"pairs: {item!r} is not LABEL:RUN_A=RUN_B")
         result[label] = compare(Path(a), Path(b))
         r = result[label]
-        print(f"{label}: {100 * r['changed_share']:.3f}% of {r['groups']:,} groups differ; block 0 "
-              f"{100 * r['per_block'][0]:.3f}%, block 29 {100 * r['per_block'][max(r['per_block'])]:.3f}%")
+        first, last = min(r["per_block"]), max(r["per_block"])
+        print(f"{label}: {100 * r['changed_share']:.3f}% of {r['groups']:,} groups differ; block {first} "
+              f"{100 * r['per_block'][first]:.3f}%, block {last} {100 * r['per_block'][last]:.3f}%")
     atomic_write_text(args.out, json.dumps(result, indent=1) + "\n")
 
 
