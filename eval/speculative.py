@@ -56,7 +56,7 @@ def step_costs(model, heads, prompt: torch.Tensor, gamma: int, repeats: int = 20
     """Seconds of one plain decode step, one draft step (MTP module + head) and one (gamma+1)-token
     verification forward, after a prefill of `prompt`."""
     cache = model.new_cache(1, prompt.shape[1] + repeats * (gamma + 2) + 2)
-    h = model.hidden_states(prompt, cache)
+    _, x0 = heads.level0(model, prompt, cache)
     tok = torch.tensor([[int(prompt[0, -1])]])
     mcache = heads.new_cache(1, prompt.shape[1] + 2)[0]
     module = heads.mtp[0]
@@ -67,7 +67,7 @@ def step_costs(model, heads, prompt: torch.Tensor, gamma: int, repeats: int = 20
         t0 = time.perf_counter()
         model(tok, cache)
         t1 = time.perf_counter()
-        (model.output if draft_vocab is None else draft_vocab)(module.norm(module(h[:, -1:], emb, cos, sin, mcache)))
+        (model.output if draft_vocab is None else draft_vocab)(module.norm(module(x0[:, -1:], emb, cos, sin, mcache)))
         mcache.truncate(0)
         t2 = time.perf_counter()
         model(tok.expand(1, gamma + 1), cache)

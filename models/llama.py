@@ -268,6 +268,12 @@ class Transformer(nn.Module):
         """Final-norm hidden states [B, L, dim] (MTP heads and chunked losses start from here).
 
         With `cache` (from new_cache), `tokens` continue the cached positions."""
+        return self.hidden_states_and_taps(tokens, cache)[0]
+
+    def hidden_states_and_taps(self, tokens: torch.Tensor, cache: dict[str, KVCache] | None = None,
+                               taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """hidden_states, and the residual stream after each block whose index (0-based) is in `taps`, in
+        the order of `taps` (what fused MTP modules read next to the final hidden state)."""
         start = next(iter(cache.values())).pos if cache else 0
         end = start + tokens.shape[1]
         if end > self.rope_cos.shape[0]:
@@ -275,12 +281,18 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
         h = self.tok_embeddings(tokens)
         recompute = self.recompute_blocks and cache is None and torch.is_grad_enabled()
-        for key, layer in self.layers.items():
+        kept = {}
+        for i, (key, layer) in enumerate(self.layers.items()):
             if recompute:
                 h = checkpoint(layer, h, cos, sin, None, use_reentrant=False)
             else:
                 h = layer(h, cos, sin, cache[key] if cache else None)
-        return self.norm(h)
+            if i in taps:
+                kept[i] = h
+        missing = [t for t in taps if t not in kept]
+        if missing:
+            raise ValueError(f"tap layer {missing[0]} is not a block of this model (0..{len(self.layers) - 1})")
+        return self.norm(h), [kept[t] for t in taps]
 
     def forward(self, tokens: torch.Tensor, cache: dict[str, KVCache] | None = None) -> torch.Tensor:
         return self.output(self.hidden_states(tokens, cache))

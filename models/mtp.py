@@ -10,6 +10,13 @@ model's final-norm hidden state, what its output head reads) and the embedding o
 so module k predicts k+1 tokens ahead and modules chain sequentially. The embedding and output head
 belong to the main model (tied in SmolLM2); the MTP file holds only the modules' own weights, under
 `mtp.<k-1>.{hnorm,enorm,proj,block.*,norm}` (docs/release-format.md).
+
+Fused features (`fuse_layers`, off by default; EAGLE-3, Li et al. 2025): module 1 also reads the main model's
+residual stream after some of its blocks, each under its own norm, appended to the projection's input:
+proj([hnorm(h^0); enorm(e); fnorms.0(r_a); fnorms.1(r_b); ...]) : (2 + n) d -> d. The final hidden state is
+shaped to predict the next token only; earlier layers still carry what the token after it needs. The extra
+columns start at zero, so a fused module starts as the plain one. Level 0 is then the concatenation
+[h^0; r_a; r_b; ...] (MTPHeads.level0), which speculative decoding keeps per position like h^0.
 """
 from __future__ import annotations
 
@@ -22,7 +29,13 @@ from torch import nn
 
 from core.dtensor import first_error, like, local, local_slices
 from core.errors import SmeltError, one_line
-from core.files import atomic_save_safetensors, check_finite, open_safetensors, safetensors_metadata, sha256_file
+from core.files import (
+    atomic_save_safetensors,
+    check_finite,
+    open_safetensors,
+    safetensors_metadata,
+    sha256_file,
+)
 from models.llama import KVCache, LlamaConfig, RMSNorm, Transformer, TransformerBlock
 
 MTP_FILE = "mtp.safetensors"
@@ -46,8 +59,14 @@ class MTPConfig:
     # from module k at position i and what it reads from the main model at i + k. A dense 576-number target per
     # token next to the logit loss; a module whose features matched exactly would draft the main model's argmax.
     feature_weight: float = 0.0
+    # Main-model blocks (0-based) whose output module 1 also reads (EAGLE-3's low/mid/high features); () none.
+    fuse_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
+        self.fuse_layers = tuple(self.fuse_layers)
+        if any(not isinstance(i, int) or i < 0 for i in self.fuse_layers) or len(set(self.fuse_layers)) != len(
+                self.fuse_layers):
+            raise SmeltError(f"mtp.fuse_layers={list(self.fuse_layers)} must be distinct block indices >= 0")
         if self.feature_weight < 0:
             raise SmeltError(f"mtp.feature_weight={self.feature_weight} must be >= 0")
         if self.depth < 0:
@@ -64,30 +83,43 @@ class MTPConfig:
 
 
 class MTPModule(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, n_fused: int = 0):
         super().__init__()
         self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
+        if n_fused:  # absent otherwise: an unfused file keeps exactly its names
+            self.fnorms = nn.ModuleList(RMSNorm(cfg.dim, cfg.norm_eps) for _ in range(n_fused))
+        self.proj = nn.Linear((2 + n_fused) * cfg.dim, cfg.dim, bias=False)
         self.block = TransformerBlock(cfg)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.n_fused = n_fused
 
     def forward(self, h_prev: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | None = None) -> torch.Tensor:
-        """h_prev, emb [B, L, d] at the same positions -> this level's hidden states [B, L, d]."""
-        x = self.proj(torch.cat([self.hnorm(h_prev), self.enorm(emb)], dim=-1))
-        return self.block(x, cos, sin, cache)
+        """h_prev [B, L, (1 + n_fused) d], emb [B, L, d] at the same positions -> this level's hidden states."""
+        if h_prev.shape[-1] != self.proj.in_features - emb.shape[-1]:  # a level 0 without its fused layers
+            raise SmeltError(f"MTP module: input of width {h_prev.shape[-1]}, expected "
+                             f"{self.proj.in_features - emb.shape[-1]} (MTPHeads.level0 builds it)")
+        parts = h_prev.chunk(1 + self.n_fused, dim=-1)
+        x = [self.hnorm(parts[0]), self.enorm(emb), *(n(r) for n, r in zip(self.fnorms, parts[1:]))] \
+            if self.n_fused else [self.hnorm(h_prev), self.enorm(emb)]
+        return self.block(self.proj(torch.cat(x, dim=-1)), cos, sin, cache)
 
 
 class MTPHeads(nn.Module):
     """`depth` sequential MTP modules; they borrow the main model's embedding and output head."""
 
-    def __init__(self, cfg: LlamaConfig, depth: int = 1):
+    def __init__(self, cfg: LlamaConfig, depth: int = 1, fuse_layers: tuple[int, ...] = ()):
         super().__init__()
         if depth < 1:
             raise SmeltError(f"mtp depth={depth} must be >= 1")
+        bad = [i for i in fuse_layers if not 0 <= i < cfg.n_layers]
+        if bad:
+            raise SmeltError(f"mtp.fuse_layers: block {bad[0]} is not a block of the main model "
+                             f"(0..{cfg.n_layers - 1})")
         self.cfg = cfg
-        self.mtp = nn.ModuleList(MTPModule(cfg) for _ in range(depth))
+        self.fuse_layers = tuple(fuse_layers)
+        self.mtp = nn.ModuleList(MTPModule(cfg, len(fuse_layers) if k == 0 else 0) for k in range(depth))
 
     @property
     def depth(self) -> int:
@@ -98,8 +130,10 @@ class MTPHeads(nn.Module):
         last block (a trained block of the same shape: a far better start than noise on a small budget)."""
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         with torch.no_grad():
-            for p in self.parameters():  # the full tensor on every rank (same seed), each keeps its shard
+            for name, p in self.named_parameters():  # the full tensor on every rank (same seed), each keeps its shard
                 t = torch.ones(p.shape) if p.dim() == 1 else torch.randn(p.shape, generator=gen) * std
+                if name.endswith("proj.weight"):  # fused inputs' columns start at zero: the plain module's start
+                    t[:, 2 * self.cfg.dim:] = 0
                 p.copy_(like(t.to(p.dtype), p))
             if trunk is not None:
                 last = list(trunk.layers.values())[-1].state_dict()
@@ -107,9 +141,17 @@ class MTPHeads(nn.Module):
                     for k, v in m.block.state_dict().items():
                         v.copy_(last[k])
 
+    def level0(self, trunk: Transformer, tokens: torch.Tensor, cache: dict[str, KVCache] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The main model's final hidden state h^0 [B, L, d] (its head reads it) and what module 1 reads at
+        level 0: h^0, or with fused layers [h^0; r_a; ...] [B, L, (1 + n) d]."""
+        h0, taps = trunk.hidden_states_and_taps(tokens, cache, self.fuse_layers)
+        return h0, torch.cat([h0, *taps], dim=-1) if taps else h0
+
     def forward(self, trunk: Transformer, h0: torch.Tensor, tokens: torch.Tensor, features: bool = False
                 ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Teacher-forced logits of every module: h0 [B, T, d] (trunk.hidden_states(tokens)), tokens [B, T].
+        """Teacher-forced logits of every module: h0 [B, T, d or (1 + n) d] (level0's second value),
+        tokens [B, T].
 
         Returns [logits_k for k = 1..depth], logits_k [B, T - k, V]: row i predicts t_{i+k+1} (the last
         row of each predicts past the window; losses drop it). With `features`, also [f_k, B, T - k, d]:
@@ -155,13 +197,24 @@ def main_fingerprint(model_dir: str | Path) -> str:
 
 
 def save_mtp(state: dict[str, torch.Tensor], cfg: LlamaConfig, out_dir: str | Path, trained_against: str,
-             extra: dict[str, str] | None = None) -> None:
+             extra: dict[str, str] | None = None, fuse_layers: tuple[int, ...] = ()) -> None:
     """Write MTP weights ({"mtp.<k>.<param>": tensor}, gathered) as mtp.safetensors with what they belong to."""
     depth = len({k.split(".")[1] for k in state})
     meta = {"format": MTP_FORMAT, "depth": str(depth), "main_fingerprint": trained_against,
+            "fuse_layers": ",".join(map(str, fuse_layers)),
             **{k: str(getattr(cfg, k)) for k in ("dim", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden",
                                                  "vocab_size")}, **(extra or {})}
     atomic_save_safetensors({k: v.contiguous() for k, v in state.items()}, Path(out_dir) / MTP_FILE, metadata=meta)
+
+
+def fused_layers_of(meta: dict[str, str], path: str | Path) -> tuple[int, ...]:
+    """The main-model blocks an MTP file's first module reads (metadata `fuse_layers`; absent: none)."""
+    text = meta.get("fuse_layers", "")
+    try:
+        return tuple(int(x) for x in text.split(",")) if text else ()
+    except ValueError:
+        raise SmeltError(f"{path}: metadata fuse_layers={text!r} is not a comma-separated list of block indices") \
+            from None
 
 
 def mtp_metadata(art_dir: str | Path) -> dict[str, str] | None:
@@ -188,6 +241,10 @@ def load_mtp_into(heads: MTPHeads, art_dir: str | Path) -> None:
         trained = int(meta["depth"])
         if heads.depth > trained:
             raise SmeltError(f"{path}: MTP depth {heads.depth} requested, the file holds {trained} module(s)")
+        fused = fused_layers_of(meta, path)
+        if fused != heads.fuse_layers:
+            raise SmeltError(f"{path}: its first module reads main-model blocks {list(fused)} (fuse_layers), the "
+                             f"modules being loaded read {list(heads.fuse_layers)}")
         for k in ("dim", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden", "vocab_size"):
             if meta.get(k) != str(getattr(heads.cfg, k)):
                 raise SmeltError(f"{path}: built for {k}={meta.get(k)}, the main model has {getattr(heads.cfg, k)}")
@@ -224,6 +281,7 @@ def load_mtp(art_dir: str | Path, trunk: Transformer, depth: int | None = None,
     if check_fingerprint and meta.get("main_fingerprint") != main_fingerprint(art_dir):
         raise SmeltError(f"{Path(art_dir) / MTP_FILE}: trained against another main model (main_fingerprint "
                          f"{meta.get('main_fingerprint', '')[:12]}, this directory's is {main_fingerprint(art_dir)[:12]})")
-    heads = MTPHeads(trunk.cfg, depth).to(trunk.tok_embeddings.weight.device)
+    heads = MTPHeads(trunk.cfg, depth, fused_layers_of(meta, Path(art_dir) / MTP_FILE))
+    heads = heads.to(trunk.tok_embeddings.weight.device)
     load_mtp_into(heads, art_dir)
     return heads.eval()

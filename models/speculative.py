@@ -143,13 +143,14 @@ def speculative_generate(model: Transformer, heads: MTPHeads, prompt: torch.Tens
     device = model.tok_embeddings.weight.device
     cache, mcache = model.new_cache(1, max_len), heads.new_cache(1, max_len)
     dim = model.cfg.dim
-    hs = [torch.zeros(1, max_len, dim, device=device, dtype=model.tok_embeddings.weight.dtype)
-          for _ in range(gamma + 1)]  # hidden states per level: main model (0), then module k
+    # hidden states per level: the main model's (0; with fused layers, [h^0; r_a; ...]), then module k's
+    hs = [torch.zeros(1, max_len, dim * (1 + len(heads.fuse_layers) if k == 0 else 1), device=device,
+                      dtype=model.tok_embeddings.weight.dtype) for k in range(gamma + 1)]
     count = [0] * (gamma + 1)       # filled positions per level (level k: its cache's length too)
     seq = prompt[0].tolist()
 
-    h = model.hidden_states(prompt.to(device), cache)
-    hs[0][:, :P], count[0] = h, P
+    h, x0 = heads.level0(model, prompt.to(device), cache)
+    hs[0][:, :P], count[0] = x0, P
     seq.append(int(next_token(model.output(h[:, -1]), temperature, generator=generator)))
     while len(seq) - P < max_new_tokens:
         N = count[0]                # seq[N] is chosen, not yet in the main cache
@@ -171,7 +172,7 @@ def speculative_generate(model: Transformer, heads: MTPHeads, prompt: torch.Tens
                 q.append(None if temperature == 0 else torch.zeros(
                     draft_vocab.vocab, device=logits.device).index_copy_(0, draft_vocab.ids, _probs(logits, temperature)))
             drafts.append(d)
-        h = model.hidden_states(torch.tensor([[seq[N], *drafts]], device=device), cache)
+        h, x0 = heads.level0(model, torch.tensor([[seq[N], *drafts]], device=device), cache)
         logits = model.output(h)[0]  # [gamma + 1, V]: p_j predicts the token after position N + j
         a, nxt = 0, None
         for j, d in enumerate(drafts):
@@ -198,7 +199,7 @@ def speculative_generate(model: Transformer, heads: MTPHeads, prompt: torch.Tens
         keep = N + 1 + a            # main positions now verified
         for c in cache.values():
             c.truncate(keep)
-        hs[0][:, N:keep], count[0] = h[:, :a + 1], keep
+        hs[0][:, N:keep], count[0] = x0[:, :a + 1], keep
         for k in range(1, gamma + 1):  # level k at position i used token i + k: valid while i + k <= N + a
             count[k] = min(count[k], N + a - k + 1)
             mcache[k - 1].truncate(count[k])

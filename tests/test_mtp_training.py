@@ -38,7 +38,7 @@ def _mtp_kl(model, heads, teacher, tokens) -> float:
     from core.kl import kl_rows
 
     with torch.no_grad():
-        logits = heads(model, model.hidden_states(tokens), tokens)[0][:, :-1]
+        logits = heads(model, heads.level0(model, tokens)[1], tokens)[0][:, :-1]
         t = teacher(tokens)[:, 1:-1]
         return float(kl_rows(t.log_softmax(-1), logits.log_softmax(-1)).mean())
 
@@ -131,6 +131,32 @@ def test_mtp_feature_regression_pulls_the_module_features_onto_the_main_models(d
     tokens = _windows()
     assert _feature_nmse(main, heads, tokens) < 0.8 * _feature_nmse(main, start, tokens)
     assert _mtp_kl(main, heads, main, tokens) < 0.9 * _mtp_kl(main, start, main, tokens)
+
+
+def test_a_fused_module_trains_reading_an_earlier_block_and_drafts_exactly(dirs, straight_run):
+    """mtp.fuse_layers through the trainer: the file records the block, the module learns to read it (its
+    columns leave zero), moves towards the main model's distribution, and drafts exactly."""
+    from models.generate import sample
+    from models.mtp import MTPHeads, load_mtp, mtp_metadata
+    from models.speculative import speculative_generate
+
+    src, out = straight_run.out, dirs / "mtp-fused-out"
+    cmd = LAUNCH[:-1] + ["debug_mtp_fused", "--student", str(src), "--teacher", str(dirs / "teacher"),
+                         "--dump_folder", str(dirs / "mtp-fused"), "--export_dir", str(out), "--training.steps", "12"]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, launch_log(proc)
+    assert json.loads((out / "manifest.json").read_text())["settings"]["mtp"]["fuse_layers"] == [0]
+    assert mtp_metadata(out)["fuse_layers"] == "0"
+    main = load_hf(out)
+    heads = load_mtp(out, main)
+    assert heads.fuse_layers == (0,) and heads.mtp[0].proj.weight[:, 2 * main.cfg.dim:].abs().max() > 1e-4
+    start = MTPHeads(main.cfg, 2, (0,))
+    start.init_weights(seed=0, trunk=main)
+    tokens = _windows()
+    assert _mtp_kl(main, heads, main, tokens) < 0.9 * _mtp_kl(main, start, main, tokens)
+    prompt = tokens[:1, :8]
+    got, stats = speculative_generate(main, heads, prompt, 24, gamma=2)
+    assert torch.equal(got, sample(main, prompt, 24, temperature=0)) and stats.rounds > 0
 
 
 def test_mtp_joint_mode_trains_the_main_model_too(dirs, straight_run):

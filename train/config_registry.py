@@ -155,6 +155,13 @@ def debug_mtp_features() -> SmeltTrainer.Config:
     return cfg
 
 
+def debug_mtp_fused() -> SmeltTrainer.Config:
+    """debug_mtp_main whose first module also reads the main model's first block (mtp.fuse_layers) (tests)."""
+    cfg = debug_mtp_main()
+    cfg.model_spec.model.mtp.fuse_layers = (0,)
+    return cfg
+
+
 def debug_mtp_joint() -> SmeltTrainer.Config:
     """Tiny joint run: the main model trains too (its loss + 0.5 x the MTP loss) (tests)."""
     cfg = _mtp(_config(steps=4, batch=2, seq_len=32, lr=1e-3, warmup=1, interval=2), depth=1)
@@ -206,6 +213,14 @@ def smollm2_mtp_kl() -> SmeltTrainer.Config:
     CE would pull towards the corpus, not towards what verification accepts (README, issue 13)."""
     cfg = smollm2_mtp_main()
     cfg.loss.ce_weight = 0.0
+    return cfg
+
+
+def smollm2_mtp_kl_fused() -> SmeltTrainer.Config:
+    """smollm2_mtp_kl whose module also reads the main model's residual stream after blocks 2, 15 and 27 (EAGLE-3's
+    low / middle / high layers for 30 blocks; mtp.fuse_layers), each under its own norm, next to the final state."""
+    cfg = smollm2_mtp_kl()
+    cfg.model_spec.model.mtp.fuse_layers = (2, 15, 27)
     return cfg
 
 

@@ -68,7 +68,7 @@ class SmeltModel(BaseModel):
         fq = config.fake_quant
         if fq.enable:  # post-build module swap, before parallelize (FSDP2 sees the final modules)
             swap_to_fake_quant(self.inner, fq.spec, skip=fq.skip, learn_scale=fq.learn_scale)
-        self.mtp = MTPHeads(self.inner.cfg, config.mtp.depth) if config.mtp.depth else None
+        self.mtp = MTPHeads(self.inner.cfg, config.mtp.depth, config.mtp.fuse_layers) if config.mtp.depth else None
         if self.mtp is not None and not config.mtp.joint:
             self.inner.requires_grad_(False)  # the main model is frozen: only the MTP modules train
 
@@ -108,15 +108,15 @@ class SmeltModel(BaseModel):
             return self.inner(tokens)
         cfg = self.config.mtp
         if cfg.joint:
-            h0 = self.inner.hidden_states(tokens)
+            h0, x0 = self.mtp.level0(self.inner, tokens)
             main, own = self.inner.output(h0), None
         else:
             with torch.no_grad():  # frozen: no activations kept for a backward that never reaches it
-                h0 = self.inner.hidden_states(tokens)
+                h0, x0 = self.mtp.level0(self.inner, tokens)
                 main, own = None, self.inner.output(h0) if cfg.target == "main" else None
         if not cfg.feature_weight:
-            return main, self.mtp(self.inner, h0, tokens), own, None
-        logits, feats = self.mtp(self.inner, h0, tokens, features=True)
+            return main, self.mtp(self.inner, x0, tokens), own, None
+        logits, feats = self.mtp(self.inner, x0, tokens, features=True)
         nmse = [hidden_divergence("nmse", f, h0[:, k:k + f.shape[1]]) for k, f in enumerate(feats, start=1)]
         return main, logits, own, nmse
 

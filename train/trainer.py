@@ -474,7 +474,7 @@ class SmeltTrainer(Trainer):
             if frozen:
                 save_qparams(model, {n: (s, z) for n, (_, s, z) in frozen.items()}, spec, tmp)
             if heads is not None:  # trained against exactly the main model written above
-                save_mtp(mtp_state, model.cfg, tmp, main_fingerprint(tmp), {"stage": stage})
+                save_mtp(mtp_state, model.cfg, tmp, main_fingerprint(tmp), {"stage": stage}, heads.fuse_layers)
                 if not (frozen or cfg.model_spec.model.mtp.joint) and (Path(cfg.student) / QPARAMS_FILE).is_file():
                     shutil.copy2(Path(cfg.student) / QPARAMS_FILE, tmp / QPARAMS_FILE)
             elif (Path(cfg.student) / MTP_FILE).is_file():  # carried through; it names the model it was trained on
