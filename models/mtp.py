@@ -15,7 +15,8 @@ Fused features (`fuse_layers`, off by default; EAGLE-3, Li et al. 2025): module 
 residual stream after some of its blocks, each under its own norm, appended to the projection's input:
 proj([hnorm(h^0); enorm(e); fnorms.0(r_a); fnorms.1(r_b); ...]) : (2 + n) d -> d. The final hidden state is
 shaped to predict the next token only; earlier layers still carry what the token after it needs. The extra
-columns start at zero, so a fused module starts as the plain one. Level 0 is then the concatenation
+columns start at zero and the rest as the plain module's would (same seed, same draws), so a fused module
+starts as the plain one, weight for weight. Level 0 is then the concatenation
 [h^0; r_a; r_b; ...] (MTPHeads.level0), which speculative decoding keeps per position like h^0.
 """
 from __future__ import annotations
@@ -64,9 +65,9 @@ class MTPConfig:
 
     def __post_init__(self):
         self.fuse_layers = tuple(self.fuse_layers)
-        if any(not isinstance(i, int) or i < 0 for i in self.fuse_layers) or len(set(self.fuse_layers)) != len(
-                self.fuse_layers):
-            raise SmeltError(f"mtp.fuse_layers={list(self.fuse_layers)} must be distinct block indices >= 0")
+        _check_fuse_layers(self.fuse_layers)
+        if self.fuse_layers and not self.depth:
+            raise SmeltError(f"mtp.fuse_layers={list(self.fuse_layers)} needs mtp.depth >= 1 (a module to read them)")
         if self.feature_weight < 0:
             raise SmeltError(f"mtp.feature_weight={self.feature_weight} must be >= 0")
         if self.depth < 0:
@@ -80,6 +81,13 @@ class MTPConfig:
         if self.target == "main" and self.joint:
             raise SmeltError("mtp.target='main' needs a frozen main model (mtp.joint=false): a main model that "
                              "trains would be chasing its own moving distribution")
+
+
+def _check_fuse_layers(layers: tuple[int, ...], n_layers: int | None = None) -> None:
+    if any(not isinstance(i, int) or i < 0 for i in layers) or len(set(layers)) != len(layers):
+        raise SmeltError(f"mtp.fuse_layers={list(layers)} must be distinct block indices >= 0")
+    if n_layers is not None and any(i >= n_layers for i in layers):
+        raise SmeltError(f"mtp.fuse_layers: block {max(layers)} is not a block of the main model (0..{n_layers - 1})")
 
 
 class MTPModule(nn.Module):
@@ -100,9 +108,8 @@ class MTPModule(nn.Module):
         if h_prev.shape[-1] != self.proj.in_features - emb.shape[-1]:  # a level 0 without its fused layers
             raise SmeltError(f"MTP module: input of width {h_prev.shape[-1]}, expected "
                              f"{self.proj.in_features - emb.shape[-1]} (MTPHeads.level0 builds it)")
-        parts = h_prev.chunk(1 + self.n_fused, dim=-1)
-        x = [self.hnorm(parts[0]), self.enorm(emb), *(n(r) for n, r in zip(self.fnorms, parts[1:]))] \
-            if self.n_fused else [self.hnorm(h_prev), self.enorm(emb)]
+        h, *fused = h_prev.chunk(1 + self.n_fused, dim=-1)
+        x = [self.hnorm(h), self.enorm(emb), *(n(r) for n, r in zip(getattr(self, "fnorms", ()), fused))]
         return self.block(self.proj(torch.cat(x, dim=-1)), cos, sin, cache)
 
 
@@ -113,10 +120,7 @@ class MTPHeads(nn.Module):
         super().__init__()
         if depth < 1:
             raise SmeltError(f"mtp depth={depth} must be >= 1")
-        bad = [i for i in fuse_layers if not 0 <= i < cfg.n_layers]
-        if bad:
-            raise SmeltError(f"mtp.fuse_layers: block {bad[0]} is not a block of the main model "
-                             f"(0..{cfg.n_layers - 1})")
+        _check_fuse_layers(tuple(fuse_layers), cfg.n_layers)
         self.cfg = cfg
         self.fuse_layers = tuple(fuse_layers)
         self.mtp = nn.ModuleList(MTPModule(cfg, len(fuse_layers) if k == 0 else 0) for k in range(depth))
@@ -130,10 +134,14 @@ class MTPHeads(nn.Module):
         last block (a trained block of the same shape: a far better start than noise on a small budget)."""
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         with torch.no_grad():
+            d = self.cfg.dim
             for name, p in self.named_parameters():  # the full tensor on every rank (same seed), each keeps its shard
-                t = torch.ones(p.shape) if p.dim() == 1 else torch.randn(p.shape, generator=gen) * std
-                if name.endswith("proj.weight"):  # fused inputs' columns start at zero: the plain module's start
-                    t[:, 2 * self.cfg.dim:] = 0
+                if p.dim() == 1:
+                    t = torch.ones(p.shape)
+                elif name.endswith("proj.weight"):  # fused inputs' columns: zeros after the plain module's draw
+                    t = torch.cat([torch.randn(d, 2 * d, generator=gen) * std, torch.zeros(d, p.shape[1] - 2 * d)], 1)
+                else:
+                    t = torch.randn(p.shape, generator=gen) * std
                 p.copy_(like(t.to(p.dtype), p))
             if trunk is not None:
                 last = list(trunk.layers.values())[-1].state_dict()
@@ -244,7 +252,7 @@ def load_mtp_into(heads: MTPHeads, art_dir: str | Path) -> None:
         fused = fused_layers_of(meta, path)
         if fused != heads.fuse_layers:
             raise SmeltError(f"{path}: its first module reads main-model blocks {list(fused)} (fuse_layers), the "
-                             f"modules being loaded read {list(heads.fuse_layers)}")
+                             f"modules being loaded read {list(heads.fuse_layers)} (set mtp.fuse_layers to match)")
         for k in ("dim", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden", "vocab_size"):
             if meta.get(k) != str(getattr(heads.cfg, k)):
                 raise SmeltError(f"{path}: built for {k}={meta.get(k)}, the main model has {getattr(heads.cfg, k)}")
@@ -281,7 +289,11 @@ def load_mtp(art_dir: str | Path, trunk: Transformer, depth: int | None = None,
     if check_fingerprint and meta.get("main_fingerprint") != main_fingerprint(art_dir):
         raise SmeltError(f"{Path(art_dir) / MTP_FILE}: trained against another main model (main_fingerprint "
                          f"{meta.get('main_fingerprint', '')[:12]}, this directory's is {main_fingerprint(art_dir)[:12]})")
-    heads = MTPHeads(trunk.cfg, depth, fused_layers_of(meta, Path(art_dir) / MTP_FILE))
+    path = Path(art_dir) / MTP_FILE
+    try:
+        heads = MTPHeads(trunk.cfg, depth, fused_layers_of(meta, path))
+    except SmeltError as e:
+        raise SmeltError(f"{path}: {e}") from None
     heads = heads.to(trunk.tok_embeddings.weight.device)
     load_mtp_into(heads, art_dir)
     return heads.eval()

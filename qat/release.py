@@ -26,10 +26,20 @@ from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_dir, read_safetensors, sha256_file
 from core.hf_names import to_hf_name
 from core.masks import DENSE_ROWS, MASKS_FILE
-from core.patterns import NMPattern
 from core.packing import pack_24, pack_int4, unpack_24_positions
-from core.release_layout import (COMPRESSED_LAYOUT, RELEASE_MANIFEST, SPARSITY_FILE, SPARSITY_JSON, SPARSITY_LAYOUT,
-                                 STORAGES, pack_mask, read_release_linears, row_ranges, sparsity_info)
+from core.patterns import NMPattern
+from core.release_layout import (
+    COMPRESSED_LAYOUT,
+    RELEASE_MANIFEST,
+    SPARSITY_FILE,
+    SPARSITY_JSON,
+    SPARSITY_LAYOUT,
+    STORAGES,
+    pack_mask,
+    read_release_linears,
+    row_ranges,
+    sparsity_info,
+)
 from models.hf_io import load_hf, load_tokenizer, read_hf_config, read_hf_tensors
 from models.mtp import MTP_FILE, load_mtp, main_fingerprint, mtp_metadata
 from models.speculative import acceptance_probe
@@ -186,7 +196,8 @@ def mtp_record(art: Path, dtype: torch.dtype, quantized: set[str]) -> dict | Non
     with torch.no_grad():
         probe = acceptance_probe(model, heads, prompts, p["new_tokens"], p["gamma"])
     own = main_fingerprint(art)
-    return {"file": MTP_FILE, "depth": int(meta["depth"]), "trained_against": meta["main_fingerprint"],
+    return {"file": MTP_FILE, "depth": int(meta["depth"]), "fuse_layers": list(heads.fuse_layers),
+            "trained_against": meta["main_fingerprint"],
             "released_main_model": own, "trained_on_released_model": meta["main_fingerprint"] == own,
             "probe": {**probe, "prompts": prompts}}
 

@@ -11,6 +11,7 @@ from core.errors import SmeltError
 from models.generate import sample
 from models.llama import LlamaConfig, build_model
 from models.mtp import MTPConfig, MTPHeads, load_mtp, load_mtp_into, main_fingerprint, save_mtp
+from models.mtp import mtp_metadata as meta_of
 from models.speculative import speculative_generate
 
 CFG = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden=64, max_seq_len=128,
@@ -32,8 +33,11 @@ def test_a_fused_module_starts_as_the_plain_one_and_reads_the_named_blocks():
     proj = fused.mtp[0].proj.weight
     assert proj.shape == (CFG.dim, 3 * CFG.dim) and not proj[:, 2 * CFG.dim:].any()
     plain = MTPHeads(CFG, 1)
-    plain.load_state_dict({k: v[:, :2 * CFG.dim] if k.endswith("proj.weight") else v
-                           for k, v in fused.state_dict().items() if ".fnorms." not in k})
+    plain.init_weights(seed=0, trunk=model)  # the same seed: the same start, weight for weight
+    shared = {k: v[:, :2 * CFG.dim] if k.endswith("proj.weight") else v
+              for k, v in fused.state_dict().items() if ".fnorms." not in k}
+    assert shared.keys() == plain.state_dict().keys()
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in shared.items())
     with torch.no_grad():
         h0, x0 = fused.level0(model, TOKENS)
         after0 = model.layers["0"](model.tok_embeddings(TOKENS), model.rope_cos[:12], model.rope_sin[:12])
@@ -87,7 +91,8 @@ def test_fused_layers_travel_in_the_file_and_bad_settings_are_one_line_errors(tm
              fuse_layers=heads.fuse_layers)
     loaded = load_mtp(tmp_path, model)
     assert loaded.fuse_layers == (1,)
-    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), heads.state_dict().values()))
+    assert loaded.state_dict().keys() == heads.state_dict().keys()
+    assert all(torch.equal(v, heads.state_dict()[k]) for k, v in loaded.state_dict().items())
     with pytest.raises(SmeltError, match=r"reads main-model blocks \[1\] \(fuse_layers\), the modules being "
                                          r"loaded read \[\]"):
         load_mtp_into(MTPHeads(CFG, 1), tmp_path)
@@ -96,3 +101,16 @@ def test_fused_layers_travel_in_the_file_and_bad_settings_are_one_line_errors(tm
     for bad in ((-1,), (1, 1)):
         with pytest.raises(SmeltError, match="mtp.fuse_layers=.* must be distinct block indices >= 0"):
             MTPConfig(depth=1, fuse_layers=bad)
+        with pytest.raises(SmeltError, match="mtp.fuse_layers=.* must be distinct block indices >= 0"):
+            MTPHeads(CFG, 1, bad)
+    with pytest.raises(SmeltError, match=r"mtp.fuse_layers=\[1\] needs mtp.depth >= 1"):
+        MTPConfig(depth=0, fuse_layers=(1,))
+    # a file whose metadata names a block this main model lacks, or no list at all: the file is named
+    from safetensors.torch import save_file
+
+    tensors = dict(heads.named_parameters())
+    for text, message in (("5", "block 5 is not a block of the main model"), ("a,b", "is not a comma-separated")):
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp_path / "mtp.safetensors"),
+                  metadata={**meta_of(tmp_path), "fuse_layers": text})
+        with pytest.raises(SmeltError, match=f"mtp.safetensors: .*{message}"):
+            load_mtp(tmp_path, model, check_fingerprint=False)

@@ -230,3 +230,11 @@ def smollm2_mtp_realign_kl() -> SmeltTrainer.Config:
     cfg = smollm2_mtp_realign()
     cfg.loss.ce_weight = 0.0
     return cfg
+
+
+def smollm2_mtp_realign_kl_fused() -> SmeltTrainer.Config:
+    """smollm2_mtp_realign_kl for a module trained with smollm2_mtp_kl_fused (the same fused blocks: an MTP file
+    built for other blocks is refused)."""
+    cfg = smollm2_mtp_realign_kl()
+    cfg.model_spec.model.mtp.fuse_layers = (2, 15, 27)
+    return cfg
