@@ -1,0 +1,69 @@
+"""Two MTP modules' greedy acceptance compared prompt by prompt: eval.speculative JSONs over the same prompts
+(same buckets, counts and lengths), each prompt one paired sample. Per bucket and in all: the mean difference
+of α per prompt (B − A) ± its standard error, and how many prompts went up and down. Rounds within one prompt
+are not independent (eval.speculative's alpha_first_se), so the prompt is the unit here too.
+
+    python scripts/alpha_paired.py results/bench/mtp/fuse/base600-g1-vocab8192-p16.json \
+        results/bench/mtp/fuse/fused600-g1-vocab8192-p16.json --out results/bench/mtp/fuse/paired-600.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from core.errors import SmeltError, run_cli
+from core.files import atomic_write_text
+
+
+def paired(a: list[float], b: list[float]) -> dict:
+    """Mean and standard error of b - a over paired prompts, with the counts up / down / level."""
+    if len(a) != len(b) or len(a) < 2:
+        raise SmeltError(f"paired prompts: {len(a)} against {len(b)}; need the same number, at least 2")
+    d = [y - x for x, y in zip(a, b)]
+    mean = sum(d) / len(d)
+    se = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d))
+    return {"prompts": len(d), "mean_a": sum(a) / len(a), "mean_b": sum(b) / len(b), "diff": mean, "se": se,
+            "up": sum(x > 0 for x in d), "down": sum(x < 0 for x in d), "level": sum(x == 0 for x in d)}
+
+
+def compare(ra: dict, rb: dict) -> dict:
+    for key in ("prompts_per_bucket", "prompt_len", "new_tokens", "languages", "greedy"):
+        va, vb = ra.get("settings", {}).get(key), rb.get("settings", {}).get(key)
+        if va != vb:
+            raise SmeltError(f"settings.{key}: {va} against {vb}; the two runs must decode the same prompts")
+    if ra.get("gamma") != rb.get("gamma"):
+        raise SmeltError(f"gamma: {ra.get('gamma')} against {rb.get('gamma')}")
+    if set(ra["buckets"]) != set(rb["buckets"]):
+        raise SmeltError(f"buckets: {sorted(ra['buckets'])} against {sorted(rb['buckets'])}")
+    out = {b: paired(ra["buckets"][b]["alpha_first_per_prompt"], rb["buckets"][b]["alpha_first_per_prompt"])
+           for b in ra["buckets"]}
+    out["all"] = paired(ra["overall"]["alpha_first_per_prompt"], rb["overall"]["alpha_first_per_prompt"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("a", help="eval.speculative JSON of the reference module")
+    ap.add_argument("b", help="eval.speculative JSON of the module compared with it")
+    ap.add_argument("--out", help="write the comparison here as JSON")
+    args = ap.parse_args(argv)
+    runs = []
+    for name in (args.a, args.b):
+        try:
+            runs.append(json.loads(Path(name).read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise SmeltError(f"{name}: not a readable eval.speculative JSON ({type(e).__name__})") from None
+        if "overall" not in runs[-1] or "buckets" not in runs[-1]:
+            raise SmeltError(f"{name}: no overall / buckets (not an eval.speculative JSON)")
+    result = {"a": args.a, "b": args.b, "paired": compare(*runs)}
+    for bucket, r in result["paired"].items():
+        print(f"{bucket:5s} α {r['mean_a']:.3f} -> {r['mean_b']:.3f} (per-prompt means): {r['diff']:+.3f} ± "
+              f"{r['se']:.3f}, {r['up']} up / {r['down']} down of {r['prompts']}")
+    if args.out:
+        atomic_write_text(args.out, json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    run_cli(main)
