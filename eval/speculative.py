@@ -18,7 +18,8 @@ outputs must be identical (exactness is checked, not assumed). Reported per buck
 `--draft-vocab N` drafts from the N most frequent tokens of a training corpus only (models.speculative.DraftVocab;
 FR-Spec, Zhao et al. 2025): a cheaper draft step, the same exact output, possibly fewer accepted drafts.
 Both decoders run with `models.generate.small_m_linears` (fp32 Linears on a CPU compute their few decode
-rows as W @ xᵀ; README, issue 13) unless `--no-small-m`, which keeps F.linear everywhere.
+rows in whichever form, x @ Wᵀ or W @ xᵀ, timed fastest on this machine; the plan is in the JSON; README,
+issue 13) unless `--no-small-m`, which keeps F.linear everywhere.
 """
 from __future__ import annotations
 
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--any-main-model", action="store_true",
                     help="allow MTP modules trained against another main model (e.g. before QAT)")
     ap.add_argument("--small-m", action=argparse.BooleanOptionalAction, default=True,
-                    help="decode rows as W @ x.T on CPU fp32 Linears (both decoders alike; --no-small-m: F.linear)")
+                    help="decode rows by the form of product timed fastest here, on CPU fp32 Linears (both decoders "
+                         "alike; --no-small-m: F.linear)")
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="draft from the N most frequent tokens of --draft-vocab-corpus only (0: the whole head)")
     ap.add_argument("--draft-vocab-corpus", default="wikitext2-valid+code-train+zh-train",
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_tokenizer(tok_dir)
     draft_vocab, vocab_record = _draft_vocab(model, tokenizer, args)
     roots = (model, heads) if draft_vocab is None else (model, heads, draft_vocab)
-    with small_m_linears(*roots) if args.small_m else contextlib.nullcontext():
+    with small_m_linears(*roots) if args.small_m else contextlib.nullcontext() as small_m:
         per, overall = _race(model, heads, tokenizer, langs, args, draft_vocab)
         costs = step_costs(model, heads, bucket_prompts(tokenizer, langs[0], 1, args.prompt_len)[0], args.gamma,
                            draft_vocab=draft_vocab)
@@ -127,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     result = {"model": args.model, "gamma": args.gamma, "mtp": meta,
               "settings": {"prompts_per_bucket": args.prompts, "prompt_len": args.prompt_len,
                            "new_tokens": args.new_tokens, "languages": langs, "greedy": True, "batch": 1,
-                           "small_m": args.small_m, "draft_vocab": vocab_record},
+                           "small_m": args.small_m, "small_m_plan": small_m.record() if small_m else None,
+                           "draft_vocab": vocab_record},
               "buckets": per,
               "overall": overall,
               "step_seconds": costs, "draft_cost": c, "verify_cost": r,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -11,45 +12,88 @@ from torch import nn
 
 from models.llama import Transformer
 
-SMALL_M = 4  # rows up to which small_m_linears computes W @ xᵀ: at 2-4 rows within 3% of F.linear or faster on
-# SmolLM2's shapes (1 row is a gemv either way)
-WIDE_OUT = 8192  # ... and a 1-row input to a layer this wide (the output head, a restricted draft head) goes as
-# 2 rows: a CPU gemv streams such weights at half the speed of a 2-column gemm (the [49152, 576] head 10.4
-# against 4.1 ms, [8192, 576] 1.76 against 0.86 ms; at [4096, 576] the gemv wins, 0.33 against 0.40 ms:
-# scripts/bench_small_m_linear.py, results/bench/mtp/small-m-linear.json and small-m-linear-draft-heads.json)
+SMALL_M = 4  # rows up to which small_m_linears picks each product's form (decoding feeds 1 to gamma + 1 rows)
+WIDE_OUT = 8192  # a 1-row input may go as 2 rows ("mv_t2") to a layer at least this wide (the output head, a
+# restricted draft head): on the AMD EPYC a gemv streamed the [49152, 576] head at half the speed of a
+# 2-column gemm (10.4 against 4.1 ms; results/bench/mtp/small-m-linear.json)
+PATHS = ("linear", "mv_t", "mv_t2")  # F.linear (x @ Wᵀ); (W @ xᵀ)ᵀ; one row as two through W @ xᵀ
 
 
-def _small_m_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _product(path: str, weight: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    """x2 [rows, in] times weightᵀ by one of PATHS: the same products, summed in another order."""
+    if path == "linear":
+        return F.linear(x2, weight)
+    if path == "mv_t":
+        return (weight @ x2.T).T
+    return (weight @ torch.cat([x2, x2]).T)[:, :1].T  # contiguous: an expand()ed operand was slower
+
+
+def _candidates(out_features: int, rows: int) -> tuple[str, ...]:
+    return PATHS if rows == 1 and out_features >= WIDE_OUT else PATHS[:2]
+
+
+@torch.no_grad()
+def tune_small_m(weights: list[torch.Tensor], repeats: int = 15) -> dict[tuple[int, int, int], str]:
+    """The fastest of PATHS, timed here, for each weight shape and each row count 1..SMALL_M: {(out, in,
+    rows): path}. Which form wins depends on the CPU's BLAS: on the AMD EPYC (W @ xᵀ)ᵀ at 2 rows cost the
+    same as F.linear at one while F.linear doubled; on the Intel Xeon (AMX) F.linear at 2 rows costs less
+    than at one and (W @ xᵀ)ᵀ three times more (results/bench/mtp/small-m-linear{,-xeon}.json). Cases run
+    interleaved, after one warm-up call each, and the median decides."""
+    from core.device import interleaved_seconds  # the ground floor; kept local, like the tuning itself
+
+    plan = {}
+    for w in {tuple(w.shape): w for w in weights}.values():
+        out_features, in_features = w.shape
+        for rows in range(1, SMALL_M + 1):
+            x2 = torch.randn(rows, in_features, dtype=w.dtype)
+            cases = {p: functools.partial(_product, p, w, x2) for p in _candidates(out_features, rows)}
+            interleaved_seconds(cases, 1)
+            times, _ = interleaved_seconds(cases, repeats)
+            plan[(out_features, in_features, rows)] = min(cases, key=lambda p: sorted(times[p])[repeats // 2])
+    return plan
+
+
+def _small_m_forward(module: nn.Linear, plan: dict, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     if rows > SMALL_M:
         return F.linear(x, module.weight, module.bias)
-    x2 = x.reshape(rows, x.shape[-1])
-    if rows == 1 and module.out_features >= WIDE_OUT:
-        y = (module.weight @ torch.cat([x2, x2]).T)[:, :1].T  # contiguous: an expand()ed operand was slower
-    else:
-        y = (module.weight @ x2.T).T
+    y = _product(plan.get((*module.weight.shape, rows), "linear"), module.weight, x.reshape(rows, x.shape[-1]))
     if module.bias is not None:
         y = y + module.bias
     return y.reshape(*x.shape[:-1], module.out_features)
 
 
-@contextlib.contextmanager
-def small_m_linears(*roots: nn.Module):
-    """Inside this block the fp32 nn.Linear layers on a CPU under `roots` compute inputs of up to SMALL_M
-    rows as (W @ xᵀ)ᵀ instead of x @ Wᵀ: the same products, summed in another order.
+@dataclass
+class SmallM:
+    layers: int                              # nn.Linear layers patched
+    plan: dict[tuple[int, int, int], str]    # (out, in, rows) -> the path taken
 
-    Why: decoding feeds a Linear 1 to gamma + 1 rows, and some CPUs' BLAS (MKL on this AMD EPYC) take the
-    x @ Wᵀ path at a cost proportional to the rows, while W @ xᵀ costs the output head less at 2 rows than
-    either path at one (README, issue 13). Packed or quantized layers (other classes), GPU and bf16 layers keep their
-    own path. Restores every layer's forward on exit.
+    def record(self) -> dict[str, dict[str, str]]:
+        """The plan as JSON: {"OUTxIN": {"rows": path}}."""
+        out: dict[str, dict[str, str]] = {}
+        for (o, i, rows), path in sorted(self.plan.items()):
+            out.setdefault(f"{o}x{i}", {})[str(rows)] = path
+        return out
+
+
+@contextlib.contextmanager
+def small_m_linears(*roots: nn.Module, plan: dict[tuple[int, int, int], str] | None = None):
+    """Inside this block the fp32 nn.Linear layers on a CPU under `roots` compute inputs of up to SMALL_M
+    rows by the form `plan` names for their shape and row count (default: tune_small_m's choice on this
+    machine, for these layers; F.linear where the plan is silent). Yields a SmallM.
+
+    Why: decoding feeds a Linear 1 to gamma + 1 rows, and CPUs' BLAS libraries differ by factors of 2-5 on
+    which form of so few rows is fast (README, issue 13). Packed or quantized layers (other classes), GPU
+    and bf16 layers keep their own path. Restores every layer's forward on exit.
     """
     patched = list({id(m): m for root in roots for m in root.modules()  # a module shared by roots: once
                     if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
                     and "forward" not in m.__dict__}.values())
+    plan = tune_small_m([m.weight for m in patched]) if plan is None else plan
     for m in patched:
-        m.forward = functools.partial(_small_m_forward, m)
+        m.forward = functools.partial(_small_m_forward, m, plan)
     try:
-        yield len(patched)
+        yield SmallM(len(patched), plan)
     finally:
         for m in patched:
             del m.forward

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from core.errors import SmeltError
-from models.generate import SMALL_M, WIDE_OUT, sample, small_m_linears
+from models.generate import PATHS, SMALL_M, WIDE_OUT, sample, small_m_linears
 from models.llama import LlamaConfig, build_model
 from models.mtp import MTPHeads
 from models.speculative import DraftVocab, alpha_standard_error, frequent_token_ids, speculative_generate
@@ -65,21 +65,30 @@ def test_greedy_is_token_for_token_plain_greedy(block_scale, gamma):
     assert torch.equal(got, want)
 
 
-def test_small_m_linears_compute_the_same_products_and_restore_every_layer():
+@pytest.mark.parametrize("path", [None, *PATHS])
+def test_small_m_linears_compute_the_same_products_and_restore_every_layer(path):
+    """Every form of product (and the plan tuned on this machine) gives F.linear's result."""
     model = _peaked(CFG, 1, 0.1)
     lin = model.layers["0"].feed_forward.w1
     biased, bf16, wide = nn.Linear(CFG.dim, 8), nn.Linear(CFG.dim, 8).bfloat16(), nn.Linear(CFG.dim, WIDE_OUT)
     x = {m: torch.randn(1, m, CFG.dim) for m in (1, 2, SMALL_M, SMALL_M + 1)}
     want = {m: (lin(v), biased(v), wide(v)) for m, v in x.items()}
     fp32_linears = sum(type(m) is nn.Linear for m in model.modules())
-    with small_m_linears(model, model.layers["0"], biased, bf16, wide) as n:  # layers["0"] again: once
-        assert n == fp32_linears + 2  # bf16 keeps its own path
+    shapes = {tuple(m.weight.shape) for m in (*model.modules(), biased, wide) if type(m) is nn.Linear}
+    plan = None if path is None else {(*s, r): path for s in shapes for r in range(1, SMALL_M + 1)
+                                      if path != "mv_t2" or r == 1}
+    with small_m_linears(model, model.layers["0"], biased, bf16, wide, plan=plan) as sm:  # layers["0"] again: once
+        assert sm.layers == fp32_linears + 2  # bf16 keeps its own path
+        assert set(sm.plan.values()) <= set(PATHS) and (path is not None or len(sm.plan) == len(shapes) * SMALL_M)
+        assert sm.plan.get((WIDE_OUT, CFG.dim, 2)) != "mv_t2"  # one row as two: only at one row
         assert "forward" in lin.__dict__ and "forward" not in bf16.__dict__
         for m, v in x.items():
             assert torch.allclose(lin(v), want[m][0], rtol=1e-5, atol=1e-6)
             assert torch.allclose(biased(v), want[m][1], rtol=1e-5, atol=1e-6)
-            assert torch.allclose(wide(v), want[m][2], rtol=1e-5, atol=1e-6)  # 1 row goes as 2
+            assert torch.allclose(wide(v), want[m][2], rtol=1e-5, atol=1e-6)
     assert not any("forward" in m.__dict__ for m in [*model.modules(), biased])
+    if path is None:  # tuned: every shape, every row count, in the JSON form eval.speculative writes
+        assert {k: len(v) for k, v in sm.record().items()} == {f"{o}x{i}": SMALL_M for o, i in shapes}
 
 
 @pytest.mark.parametrize("gamma", [1, 2])
@@ -257,6 +266,7 @@ def test_benchmark_cli_reports_acceptance_and_speed_and_refuses_a_foreign_mtp_fi
     o = r["overall"]
     assert 0 <= o["alpha_first"] <= 1 and 1 <= o["tokens_per_forward"] <= 2 and o["plain_tok_s"] > 0
     assert r["ceiling_speedup"] > 0 and r["mtp"]["depth"] == "1" and r["settings"]["small_m"] is True
+    assert r["settings"]["small_m_plan"]["260x64"]["1"] in ("linear", "mv_t")  # the tiny head, tuned here
     assert r["settings"]["draft_vocab"] is None
     per_prompt = [a for b in ("en", "zh", "code") for a in r["buckets"][b]["alpha_first_per_prompt"]]
     assert len(per_prompt) == 6 == len(o["alpha_first_per_prompt"]) and o["alpha_first_se"] is not None
