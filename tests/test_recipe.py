@@ -158,8 +158,8 @@ def test_smollm2_mtp_recipe_is_the_default_chain_plus_its_mtp_stages(capsys, tmp
     assert stages["self-text"]["tokens"] == 1280 * 128 and stages["qat-text"]["tokens"] == 1280 * 128
     assert "--prompt-len 128 " in stages["self-text"]["commands"][0] and "--seed 2 " in stages["qat-text"]["commands"][0]
     # KL to the main model only, on text half of which is real: the realign stage at its lower lr
-    assert "--config smollm2_mtp_kl " in stages["mtp"]["commands"][0]
-    assert "--config smollm2_mtp_realign_kl " in stages["realign"]["commands"][0]
+    assert "--config smollm2_mtp_kl_fused " in stages["mtp"]["commands"][0]
+    assert "--config smollm2_mtp_realign_kl_fused " in stages["realign"]["commands"][0]
     assert stages["mtp"]["commands"][0].endswith(f"--dataloader.source {run}/self-text/text.jsonl")
     assert f"--student {run}/qat-2of4 " in stages["realign"]["commands"][0]
     assert stages["realign"]["commands"][0].endswith(f"--dataloader.source {run}/qat-text/text.jsonl")
@@ -169,12 +169,16 @@ def test_smollm2_mtp_recipe_is_the_default_chain_plus_its_mtp_stages(capsys, tmp
 
 
 def test_smollm2_mtp_configs_distil_only_the_main_model():
-    """The MTP chain's two training configs: KL to the frozen main model, no CE; re-alignment at the lower lr."""
-    from train.config_registry import smollm2_mtp_kl, smollm2_mtp_realign_kl
-    for make, lr in ((smollm2_mtp_kl, 5e-4), (smollm2_mtp_realign_kl, 1e-4)):
+    """The MTP chain's training configs: KL to the frozen main model, no CE; re-alignment at the lower lr; the
+    fused pair reads the same blocks (a re-alignment must load the module it continues)."""
+    from train import config_registry as r
+    for make, lr in ((r.smollm2_mtp_kl, 5e-4), (r.smollm2_mtp_realign_kl, 1e-4), (r.smollm2_mtp_kl_fused, 5e-4),
+                     (r.smollm2_mtp_realign_kl_fused, 1e-4)):
         cfg = make()
         assert cfg.loss.ce_weight == 0.0 and cfg.model_spec.model.mtp.target == "main", make.__name__
         assert cfg.optimizer.param_groups[0].optimizer_kwargs["lr"] == lr, make.__name__
+    fused = {make().model_spec.model.mtp.fuse_layers for make in (r.smollm2_mtp_kl_fused, r.smollm2_mtp_realign_kl_fused)}
+    assert fused == {(2, 15, 27)}
 
 
 def test_llama_8b_plan_shapes_parallelism_and_memory(capsys, tmp_path, monkeypatch):
