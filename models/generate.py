@@ -37,8 +37,8 @@ def tune_small_m(weights: list[torch.Tensor], repeats: int = 15) -> dict[tuple[i
     """The fastest of PATHS, timed here, for each weight shape and each row count 1..SMALL_M: {(out, in,
     rows): path}. Which form wins depends on the CPU's BLAS: on the AMD EPYC (W @ xᵀ)ᵀ at 2 rows cost the
     same as F.linear at one while F.linear doubled; on the Intel Xeon (AMX) F.linear at 2 rows costs less
-    than at one and (W @ xᵀ)ᵀ three times more (results/bench/mtp/small-m-linear{,-xeon}.json). Cases run
-    interleaved, after one warm-up call each, and the median decides."""
+    than at one on the block shapes and (W @ xᵀ)ᵀ 2.4-4.9 times more (results/bench/mtp/small-m-linear{,-xeon}.json).
+    Cases run interleaved, after one warm-up call each, and the median decides (near-ties either way)."""
     from core.device import interleaved_seconds  # the ground floor; kept local, like the tuning itself
 
     plan = {}
@@ -90,6 +90,9 @@ def small_m_linears(*roots: nn.Module, plan: dict[tuple[int, int, int], str] | N
                     if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
                     and "forward" not in m.__dict__}.values())
     plan = tune_small_m([m.weight for m in patched]) if plan is None else plan
+    bad = {k: v for k, v in plan.items() if v not in _candidates(k[0], k[2])}
+    if bad:
+        raise ValueError(f"small_m_linears plan: {bad} is not one of {PATHS} (mv_t2 only at one row, >= {WIDE_OUT} wide)")
     for m in patched:
         m.forward = functools.partial(_small_m_forward, m, plan)
     try:

@@ -17,10 +17,10 @@ from core.errors import SmeltError, run_cli
 from core.files import atomic_write_text
 
 
-def paired(a: list[float], b: list[float]) -> dict:
+def paired(a: list[float], b: list[float], where: str = "") -> dict:
     """Mean and standard error of b - a over paired prompts, with the counts up / down / level."""
     if len(a) != len(b) or len(a) < 2:
-        raise SmeltError(f"paired prompts: {len(a)} against {len(b)}; need the same number, at least 2")
+        raise SmeltError(f"paired prompts{where}: {len(a)} against {len(b)}; need the same number, at least 2")
     d = [y - x for x, y in zip(a, b)]
     mean = sum(d) / len(d)
     se = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d))
@@ -29,7 +29,7 @@ def paired(a: list[float], b: list[float]) -> dict:
 
 
 def compare(ra: dict, rb: dict) -> dict:
-    for key in ("prompts_per_bucket", "prompt_len", "new_tokens", "languages", "greedy"):
+    for key in ("prompts_per_bucket", "prompt_len", "new_tokens", "languages", "greedy", "draft_vocab"):
         va, vb = ra.get("settings", {}).get(key), rb.get("settings", {}).get(key)
         if va != vb:
             raise SmeltError(f"settings.{key}: {va} against {vb}; the two runs must decode the same prompts")
@@ -37,10 +37,13 @@ def compare(ra: dict, rb: dict) -> dict:
         raise SmeltError(f"gamma: {ra.get('gamma')} against {rb.get('gamma')}")
     if set(ra["buckets"]) != set(rb["buckets"]):
         raise SmeltError(f"buckets: {sorted(ra['buckets'])} against {sorted(rb['buckets'])}")
-    out = {b: paired(ra["buckets"][b]["alpha_first_per_prompt"], rb["buckets"][b]["alpha_first_per_prompt"])
-           for b in ra["buckets"]}
-    out["all"] = paired(ra["overall"]["alpha_first_per_prompt"], rb["overall"]["alpha_first_per_prompt"])
-    return out
+    def per_prompt(r: dict, key: str) -> list[float]:
+        part = r["overall"] if key == "all" else r["buckets"][key]
+        if "alpha_first_per_prompt" not in part:
+            raise SmeltError(f"{key}: no alpha_first_per_prompt (a benchmark JSON from before it was recorded)")
+        return part["alpha_first_per_prompt"]
+
+    return {k: paired(per_prompt(ra, k), per_prompt(rb, k), f" ({k})") for k in [*ra["buckets"], "all"]}
 
 
 def main(argv: list[str] | None = None) -> None:

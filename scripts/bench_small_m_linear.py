@@ -2,7 +2,7 @@
 
 Median microseconds of F.linear(x[M, in], W[out, in]) for M = 1, 2, 3, 4, 8 on SmolLM2's shapes (q/o, gate/up,
 down, the output head), fp32 and bf16; also M=2 as two M=1 calls ('2xgemv'), and every M as (W @ x.T).T
-('mv_T M'; 'mv_T' alone is M=2): the path models.generate.small_m_linears takes.
+('mv_T M'; 'mv_T' alone is M=2): the forms among which models.generate.small_m_linears picks, per machine.
 The cases of one shape run interleaved (core.device.interleaved_seconds), after one warm-up round.
 
     python scripts/bench_small_m_linear.py --out results/bench/mtp/small-m-linear.json

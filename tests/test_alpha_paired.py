@@ -36,8 +36,12 @@ def test_paired_differences_are_per_prompt_with_their_standard_error():
     assert both["all"]["prompts"] == 4 and both["all"]["diff"] == pytest.approx(0.05)
     with pytest.raises(SmeltError, match="settings.new_tokens: 64 against 32"):
         alpha_paired.compare(_run({"en": [0.2, 0.5]}), _run({"en": [0.2, 0.5]}, new_tokens=32))
-    with pytest.raises(SmeltError, match="paired prompts: 2 against 3"):
-        alpha_paired.paired([0.1, 0.2], [0.1, 0.2, 0.3])
+    with pytest.raises(SmeltError, match=r"paired prompts \(en\): 2 against 3"):
+        alpha_paired.compare(_run({"en": [0.2, 0.5]}), _run({"en": [0.2, 0.5, 0.1]}))
+    old = _run({"en": [0.2, 0.5]})
+    del old["buckets"]["en"]["alpha_first_per_prompt"]
+    with pytest.raises(SmeltError, match="en: no alpha_first_per_prompt"):
+        alpha_paired.compare(old, _run({"en": [0.2, 0.5]}))
 
 
 def test_the_cli_writes_its_json_and_refuses_a_file_that_is_not_a_benchmark(tmp_path):

@@ -76,7 +76,7 @@ def test_small_m_linears_compute_the_same_products_and_restore_every_layer(path)
     fp32_linears = sum(type(m) is nn.Linear for m in model.modules())
     shapes = {tuple(m.weight.shape) for m in (*model.modules(), biased, wide) if type(m) is nn.Linear}
     plan = None if path is None else {(*s, r): path for s in shapes for r in range(1, SMALL_M + 1)
-                                      if path != "mv_t2" or r == 1}
+                                      if path != "mv_t2" or (r == 1 and s[0] >= WIDE_OUT)}
     with small_m_linears(model, model.layers["0"], biased, bf16, wide, plan=plan) as sm:  # layers["0"] again: once
         assert sm.layers == fp32_linears + 2  # bf16 keeps its own path
         assert set(sm.plan.values()) <= set(PATHS) and (path is not None or len(sm.plan) == len(shapes) * SMALL_M)
@@ -87,6 +87,8 @@ def test_small_m_linears_compute_the_same_products_and_restore_every_layer(path)
             assert torch.allclose(biased(v), want[m][1], rtol=1e-5, atol=1e-6)
             assert torch.allclose(wide(v), want[m][2], rtol=1e-5, atol=1e-6)
     assert not any("forward" in m.__dict__ for m in [*model.modules(), biased])
+    with pytest.raises(ValueError, match="is not one of"), small_m_linears(biased, plan={(8, CFG.dim, 2): "mv_t2"}):
+        pass
     if path is None:  # tuned: every shape, every row count, in the JSON form eval.speculative writes
         assert {k: len(v) for k, v in sm.record().items()} == {f"{o}x{i}": SMALL_M for o, i in shapes}
 
