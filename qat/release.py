@@ -26,20 +26,10 @@ from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_dir, read_safetensors, sha256_file
 from core.hf_names import to_hf_name
 from core.masks import DENSE_ROWS, MASKS_FILE
-from core.packing import pack_24, pack_int4, unpack_24_positions
 from core.patterns import NMPattern
-from core.release_layout import (
-    COMPRESSED_LAYOUT,
-    RELEASE_MANIFEST,
-    SPARSITY_FILE,
-    SPARSITY_JSON,
-    SPARSITY_LAYOUT,
-    STORAGES,
-    pack_mask,
-    read_release_linears,
-    row_ranges,
-    sparsity_info,
-)
+from core.packing import pack_24, pack_int4, unpack_24_positions
+from core.release_layout import (COMPRESSED_LAYOUT, RELEASE_MANIFEST, SPARSITY_FILE, SPARSITY_JSON, SPARSITY_LAYOUT,
+                                 STORAGES, pack_mask, read_release_linears, row_ranges, sparsity_info)
 from models.hf_io import load_hf, load_tokenizer, read_hf_config, read_hf_tensors
 from models.mtp import MTP_FILE, load_mtp, main_fingerprint, mtp_metadata
 from models.speculative import acceptance_probe

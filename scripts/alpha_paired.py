@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from pathlib import Path
 
 from core.errors import SmeltError, run_cli
@@ -22,9 +23,8 @@ def paired(a: list[float], b: list[float], where: str = "") -> dict:
     if len(a) != len(b) or len(a) < 2:
         raise SmeltError(f"paired prompts{where}: {len(a)} against {len(b)}; need the same number, at least 2")
     d = [y - x for x, y in zip(a, b)]
-    mean = sum(d) / len(d)
-    se = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d))
-    return {"prompts": len(d), "mean_a": sum(a) / len(a), "mean_b": sum(b) / len(b), "diff": mean, "se": se,
+    return {"prompts": len(d), "mean_a": statistics.fmean(a), "mean_b": statistics.fmean(b),
+            "diff": statistics.fmean(d), "se": statistics.stdev(d) / math.sqrt(len(d)),
             "up": sum(x > 0 for x in d), "down": sum(x < 0 for x in d), "level": sum(x == 0 for x in d)}
 
 

@@ -10,8 +10,7 @@ from test_speculative import _peaked
 from core.errors import SmeltError
 from models.generate import sample
 from models.llama import LlamaConfig, build_model
-from models.mtp import MTPConfig, MTPHeads, load_mtp, load_mtp_into, main_fingerprint, save_mtp
-from models.mtp import mtp_metadata as meta_of
+from models.mtp import MTPConfig, MTPHeads, load_mtp, load_mtp_into, main_fingerprint, mtp_metadata, save_mtp
 from models.speculative import speculative_generate
 
 CFG = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden=64, max_seq_len=128,
@@ -111,6 +110,6 @@ def test_fused_layers_travel_in_the_file_and_bad_settings_are_one_line_errors(tm
     tensors = dict(heads.named_parameters())
     for text, message in (("5", "block 5 is not a block of the main model"), ("a,b", "is not a comma-separated")):
         save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp_path / "mtp.safetensors"),
-                  metadata={**meta_of(tmp_path), "fuse_layers": text})
+                  metadata={**mtp_metadata(tmp_path), "fuse_layers": text})
         with pytest.raises(SmeltError, match=f"mtp.safetensors: .*{message}"):
             load_mtp(tmp_path, model, check_fingerprint=False)
