@@ -102,13 +102,14 @@ _KEYS = {"steps": "steps", "batch": "local_batch", "seq_len": "seq_len", "dtype"
          "source": "source", "training.steps": "steps", "training.local_batch_size": "local_batch",
          "training.global_batch_size": "global_batch", "training.seq_len": "seq_len",
          "training.mixed_precision_param": "dtype", "dataloader.source": "source",
-         "activation_checkpoint": "activation_checkpoint", "model_spec.model.fake_quant": "fake_quant"}
+         "activation_checkpoint": "activation_checkpoint", "model_spec.model.fake_quant": "fake_quant",
+         "model_spec.model.mtp.fuse_layers": "fuse_layers"}
 
 
 def read_registry(path: Path = REGISTRY) -> dict[str, dict]:
     """{config name: the budget it sets} from train/config_registry.py's source, read without importing
     it (configs/ may not import train/): steps, local_batch, global_batch, seq_len, dtype, source,
-    activation_checkpoint, fake_quant. A config built from another (`cfg = h100_recover()`) starts from
+    activation_checkpoint, fake_quant, and an MTP config's fuse_layers where it sets them. A config built from another (`cfg = h100_recover()`) starts from
     its values. What cannot be read is absent, and the recipe must state it; tests/test_recipe.py checks
     every value against the real configs."""
     if not path.is_file():

@@ -326,6 +326,21 @@ def metrics_source(recipe: Recipe, st: ReleaseStage, index: int | None = None) -
         src = parent.src
 
 
+def _carry_mtp(st: Stage, where: str, registry: dict, modules: dict) -> None:
+    """Training and PTQ stages carry their input's MTP module; an mtp stage continues it, and loading it into
+    modules built for other fused blocks fails: refuse that now, not an hour into the chain."""
+    carried = modules.get(st.src)
+    if st.kind != "mtp":
+        if carried is not None:
+            modules[st.dst] = carried
+        return
+    fused = tuple(registry[st.config].get("fuse_layers", ()))
+    if carried is not None and carried[1] != fused:
+        raise SmeltError(f"{where}.config {st.config!r} builds modules reading main-model blocks {list(fused)} "
+                         f"(mtp.fuse_layers); the module it continues, stage {carried[0]!r}'s, reads {list(carried[1])}")
+    modules[st.dst] = (st.name, fused)
+
+
 def check(recipe: Recipe, registry: dict) -> None:
     """Everything that can be checked before running: values, names, the chain of inputs and outputs."""
     par = recipe.parallelism
@@ -350,6 +365,7 @@ def check(recipe: Recipe, registry: dict) -> None:
     outputs = {"teacher": ("teacher", recipe.teacher)}  # name -> (kind, path) of what later stages read
     last = {"model": None, "release": None}
     written = {}  # output path -> the stage that writes it
+    modules = {}  # artifact path -> (the mtp stage that trained its MTP module, the blocks that module reads)
     positions = {s.name or s.kind: (j, s.kind) for j, s in enumerate(recipe.stages)}  # what a `source` may name
     for i, st in enumerate(recipe.stages):
         where = f"stages[{i}]"
@@ -433,6 +449,8 @@ def check(recipe: Recipe, registry: dict) -> None:
             st.budget = _budget(recipe, st, where, registry)
             if st.teacher_cache is not None:
                 _check_cache_reader(recipe, st, where, outputs)
+        if st.kind in ("recover", "mtp", "ptq", "qat"):
+            _carry_mtp(st, where, registry, modules)
         if isinstance(st, ReleaseStage) and st.metrics:
             parent = next((s for s in recipe.stages[:i] if s.dst == metrics_source(recipe, st, i)), None)
             if parent is not None and not parent.evaluate:

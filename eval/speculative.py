@@ -58,7 +58,7 @@ def step_costs(model, heads, prompt: torch.Tensor, gamma: int, repeats: int = 20
     verification forward, after a prefill of `prompt`."""
     cache = model.new_cache(1, prompt.shape[1] + repeats * (gamma + 2) + 2)
     _, x0 = heads.level0(model, prompt, cache)
-    tok = torch.tensor([[int(prompt[0, -1])]])
+    tok = prompt[:, -1:]  # on the model's device, as the prompt is
     mcache = heads.new_cache(1, prompt.shape[1] + 2)[0]
     module = heads.mtp[0]
     emb = model.tok_embeddings(tok)

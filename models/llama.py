@@ -291,7 +291,8 @@ class Transformer(nn.Module):
                 kept[i] = h
         missing = [t for t in taps if t not in kept]
         if missing:
-            raise ValueError(f"tap layer {missing[0]} is not a block of this model (0..{len(self.layers) - 1})")
+            raise SmeltError(f"mtp.fuse_layers: block {missing[0]} is not a block of this model "
+                             f"(0..{len(self.layers) - 1}, by position in the saved model)")
         return self.norm(h), [kept[t] for t in taps]
 
     def forward(self, tokens: torch.Tensor, cache: dict[str, KVCache] | None = None) -> torch.Tensor:

@@ -64,6 +64,8 @@ class MTPConfig:
     fuse_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
+        if isinstance(self.fuse_layers, (str, int)) or not hasattr(self.fuse_layers, "__iter__"):
+            raise SmeltError(f"mtp.fuse_layers={self.fuse_layers!r} must be a list of block indices, e.g. [2, 15, 27]")
         self.fuse_layers = tuple(self.fuse_layers)
         _check_fuse_layers(self.fuse_layers)
         if self.fuse_layers and not self.depth:
@@ -84,7 +86,8 @@ class MTPConfig:
 
 
 def _check_fuse_layers(layers: tuple[int, ...], n_layers: int | None = None) -> None:
-    if any(not isinstance(i, int) or i < 0 for i in layers) or len(set(layers)) != len(layers):
+    not_index = any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in layers)  # True is no block
+    if not_index or len(set(layers)) != len(layers):
         raise SmeltError(f"mtp.fuse_layers={list(layers)} must be distinct block indices >= 0")
     if n_layers is not None and any(i >= n_layers for i in layers):
         raise SmeltError(f"mtp.fuse_layers: block {max(layers)} is not a block of the main model (0..{n_layers - 1})")

@@ -97,7 +97,15 @@ def test_fused_layers_travel_in_the_file_and_bad_settings_are_one_line_errors(tm
         load_mtp_into(MTPHeads(CFG, 1), tmp_path)
     with pytest.raises(SmeltError, match=r"block 2 is not a block of the main model \(0..1\)"):
         MTPHeads(CFG, 1, (2,))
-    for bad in ((-1,), (1, 1)):
+    for bad in (2, "2"):  # TOML `fuse_layers = 2`: the field is named, not a TypeError
+        with pytest.raises(SmeltError, match="mtp.fuse_layers=.* must be a list of block indices"):
+            MTPConfig(depth=1, fuse_layers=bad)
+    # a trunk that lost a block its config still counts (depth removal before the config is renumbered)
+    short = _model()
+    del short.layers[list(short.layers)[-1]]
+    with pytest.raises(SmeltError, match=r"mtp.fuse_layers: block 1 is not a block of this model \(0..0"):
+        heads.level0(short, torch.zeros(1, 4, dtype=torch.long))
+    for bad in ((-1,), (1, 1), (True,)):
         with pytest.raises(SmeltError, match="mtp.fuse_layers=.* must be distinct block indices >= 0"):
             MTPConfig(depth=1, fuse_layers=bad)
         with pytest.raises(SmeltError, match="mtp.fuse_layers=.* must be distinct block indices >= 0"):

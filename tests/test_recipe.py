@@ -166,6 +166,14 @@ def test_smollm2_mtp_recipe_is_the_default_chain_plus_its_mtp_stages(capsys, tmp
     assert stages["mtp"]["evaluation"] is None and stages["realign"]["evaluation"] is None
     # the release keeps the QAT'd main model's evaluation (the realign stage trains only the module)
     assert stages["release"]["commands"][0].endswith(f"--metrics {run}/evals/qat-2of4.json")
+    # re-aligning with modules for other blocks would fail only at its load, after the mtp, quantize and qat stages
+    code, _, err = _cli(capsys, RECIPES / "smollm2-cpu-mtp.toml", "--dry-run", "--teacher-config", smol, "--set",
+                        "stages.realign.config=smollm2_mtp_realign_kl")
+    assert code == 2 and err.strip().splitlines()[-1].endswith(
+        "stages[9].config 'smollm2_mtp_realign_kl' builds modules reading main-model blocks [] (mtp.fuse_layers); "
+        "the module it continues, stage 'mtp''s, reads [2, 15, 27]"), err
+    _dry_run(capsys, RECIPES / "smollm2-cpu-mtp.toml", tmp_path / "b", "--teacher-config", smol, "--set",
+             "stages.mtp.config=smollm2_mtp_kl", "--set", "stages.realign.config=smollm2_mtp_realign_kl")
 
 
 def test_smollm2_mtp_configs_distil_only_the_main_model():
@@ -322,6 +330,8 @@ def test_registry_read_statically_matches_the_real_configs():
                 "fake_quant": cfg.model_spec.model.fake_quant.enable}
         if tr.global_batch_size > 0:
             want["global_batch"] = tr.global_batch_size
+        if getattr(cfg.model_spec.model, "mtp", None) is not None and cfg.model_spec.model.mtp.fuse_layers:
+            want["fuse_layers"] = tuple(cfg.model_spec.model.mtp.fuse_layers)
         assert got == want, name
 
 

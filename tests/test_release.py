@@ -128,6 +128,11 @@ def test_release_records_mtp_acceptance_and_verify_reproduces_it(release, tmp_pa
     (rel / "smelt_release.json").write_text(json.dumps(man))
     fails = verify_release(rel).failures
     assert len(fails) == 1 and fails[0].startswith("MTP acceptance"), fails
+    man["settings"]["mtp"]["probe"]["alpha_first"] -= 0.5
+    man["settings"]["mtp"]["fuse_layers"] = [0]  # a record that names blocks the file's module does not read
+    (rel / "smelt_release.json").write_text(json.dumps(man))
+    fails = verify_release(rel).failures
+    assert fails == ["MTP modules: SmeltError: settings.mtp.fuse_layers=[0] in smelt_release.json, the file holds []"], fails
 
 
 def test_verify_catches_flipped_byte(release, tmp_path):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from core.errors import SmeltError
-from models.generate import PATHS, SMALL_M, WIDE_OUT, sample, small_m_linears
+from models.generate import PATHS, SMALL_M, WIDE_OUT, pick_path, sample, small_m_linears, tune_small_m
 from models.llama import LlamaConfig, build_model
 from models.mtp import MTPHeads
 from models.speculative import DraftVocab, alpha_standard_error, frequent_token_ids, speculative_generate
@@ -91,6 +91,18 @@ def test_small_m_linears_compute_the_same_products_and_restore_every_layer(path)
         pass
     if path is None:  # tuned: every shape, every row count, in the JSON form eval.speculative writes
         assert {k: len(v) for k, v in sm.record().items()} == {f"{o}x{i}": SMALL_M for o, i in shapes}
+
+
+def test_tuning_keeps_f_linear_on_near_ties_and_leaves_the_global_rng_alone():
+    assert pick_path({"linear": 1.0, "mv_t": 0.97}) == "linear"  # inside the margin: timing noise
+    assert pick_path({"linear": 1.0, "mv_t": 0.90}) == "mv_t"
+    assert pick_path({"linear": 1.0, "mv_t": 0.99, "mv_t2": 0.5}) == "mv_t2"
+    assert pick_path({"linear": 0.5, "mv_t": 0.9}) == "linear"
+    torch.manual_seed(3)
+    want = torch.rand(4)
+    torch.manual_seed(3)
+    tune_small_m([torch.ones(8, CFG.dim)], repeats=3)  # its inputs come from its own generator
+    assert torch.equal(torch.rand(4), want)
 
 
 @pytest.mark.parametrize("gamma", [1, 2])
