@@ -1,0 +1,122 @@
+"""prune.reconstruct: whole-MLP fits on kept weights, the held-out guard, and the CLI on a tiny pruned artifact."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_config
+
+from core.errors import SmeltError, run_cli
+from core.masks import load_masks
+from core.patterns import NMPattern
+from models.hf_io import load_hf
+from models.llama import FeedForward, build_model
+from prune.reconstruct import ReconstructConfig, capture_mlp_io, main, mlp_nmse, reconstruct_mlp
+
+
+def _pair(seed: int = 0, d: int = 32, hidden: int = 64):
+    """A dense MLP, its 2:4 magnitude-pruned copy with the masks, and inputs / dense outputs (64 windows of 32)."""
+    torch.manual_seed(seed)
+    dense = FeedForward(d, hidden)
+    pruned = FeedForward(d, hidden)
+    pruned.load_state_dict(dense.state_dict())
+    masks = {}
+    with torch.no_grad():
+        for k in ("w1", "w2", "w3"):
+            w = getattr(pruned, k).weight
+            masks[k] = NMPattern(2, 4).keep_top(w.abs())
+            w.mul_(masks[k])
+        x = torch.randn(64 * 32, d)
+        y = dense(x)
+    return dense, pruned, masks, x, y
+
+
+def test_the_fit_lowers_held_out_error_and_never_revives_a_pruned_weight():
+    _, pruned, masks, x, y = _pair()
+    start = mlp_nmse(pruned, x, y)
+    r = reconstruct_mlp(pruned, masks, x, y, ReconstructConfig(epochs=3, lr=3e-3, batch_tokens=64), 32)
+    assert r["before"]["heldout"] > 0.3  # 2:4 of every matrix of a random MLP: far from the dense outputs
+    assert r["after"]["heldout"] < 0.95 * r["before"]["heldout"] and r["epoch_kept"] >= 1
+    assert r["after"]["train"] < r["before"]["train"] and mlp_nmse(pruned, x, y) < start
+    assert r["steps"] == 3 * 29  # 58 training windows of 32 tokens (6 held out), two windows a step
+    for k, m in masks.items():
+        w = getattr(pruned, k).weight
+        assert bool((w[~m] == 0).all()) and NMPattern(2, 4).holds(w)
+
+
+def test_a_fit_that_only_gets_worse_keeps_the_starting_weights():
+    _, pruned, masks, x, y = _pair(1)
+    start = {k: v.clone() for k, v in pruned.state_dict().items()}
+    r = reconstruct_mlp(pruned, masks, x, y, ReconstructConfig(epochs=2, lr=5.0, batch_tokens=32), 32)
+    assert r["epoch_kept"] == 0 and r["after"]["heldout"] == r["before"]["heldout"]
+    assert all(torch.equal(v, start[k]) for k, v in pruned.state_dict().items())
+
+
+def test_held_out_rows_are_whole_windows_and_bad_settings_name_their_flag():
+    _, pruned, masks, x, y = _pair()
+    with pytest.raises(SmeltError, match="2048 rows are not whole windows of 48 tokens"):
+        reconstruct_mlp(pruned, masks, x, y, ReconstructConfig(), 48)
+    for kw, flag in (({"epochs": 0}, "--epochs=0"), ({"lr": 0.0}, "--lr=0.0"), ({"holdout": 1.0}, "--holdout=1.0"),
+                     ({"batch_tokens": 1.5}, "--batch-tokens=1.5")):
+        with pytest.raises(SmeltError, match=flag):
+            ReconstructConfig(**kw)
+
+
+def test_capture_pairs_each_blocks_mlp_input_with_its_output():
+    model = build_model(tiny_config(), seed=1).eval()
+    tokens = torch.randint(3, 200, (3, 16))
+    io = capture_mlp_io(model, tokens, 2, ["0", "1"])
+    for b, (x, y) in io.items():
+        assert x.shape == (48, model.cfg.dim) == y.shape
+        assert torch.allclose(model.layers[b].feed_forward(x), y, atol=1e-5)
+    assert not any(m._forward_hooks for m in model.modules())  # hooks removed
+
+
+def _pruned_artifact(tiny_model_dir, tmp_path):
+    from prune.run import main as prune_main
+
+    out = tmp_path / "pruned"
+    prune_main(["--teacher", str(tiny_model_dir), "--method", "sparsegpt", "--pattern", "2:4", "--out", str(out),
+                "--calib-windows", "4", "--calib-seq-len", "64", "--skip", "output,tok_embeddings,attention.wo"])
+    return out
+
+
+def test_cli_writes_an_artifact_with_the_sources_masks_and_lower_mlp_error(tiny_model_dir, tmp_path):
+    src = _pruned_artifact(tiny_model_dir, tmp_path)
+    out = tmp_path / "recon"
+    main(["--artifact", str(src), "--teacher", str(tiny_model_dir), "--out", str(out), "--calib-windows", "10",
+          "--calib-seq-len", "64", "--epochs", "3", "--lr", "1e-3", "--batch-tokens", "64", "--blocks", "1"])
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["stage"] == "reconstruct" and m["settings"]["blocks"] == ["1"] and m["parent"]["stage"] == "prune"
+    r = m["metrics"]["per_block"]["1"]
+    assert r["after"]["heldout"] <= r["before"]["heldout"]
+    assert (out / "masks.safetensors").read_bytes() == (src / "masks.safetensors").read_bytes()
+    before, after, masks = load_hf(src).state_dict(), load_hf(out).state_dict(), load_masks(out)
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.startswith("layers.1.feed_forward.") for k in changed)  # only block 1's MLP moved
+    for name, keep in masks.items():
+        assert bool((after[name + ".weight"][~keep] == 0).all())
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--blocks", "7"], "--blocks: 7 is not a block of"),
+    (["--blocks", "a"], "--blocks 'a' is not a comma-separated list"),
+    (["--holdout", "0"], "--holdout=0.0 must be in (0, 1)"),
+])
+def test_cli_bad_input_is_one_line_and_writes_nothing(tiny_model_dir, tmp_path, capsys, args, message):
+    src = _pruned_artifact(tiny_model_dir, tmp_path)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        run_cli(lambda: main(["--artifact", str(src), "--teacher", str(tiny_model_dir), "--out",
+                              str(tmp_path / "recon"), "--calib-windows", "2", "--calib-seq-len", "32", *args]))
+    assert exc.value.code == 2
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pruned", "teacher"]
+
+
+def test_cli_refuses_an_artifact_without_masks(tiny_model_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        run_cli(lambda: main(["--artifact", str(tiny_model_dir), "--out", str(tmp_path / "r")]))
+    assert "has no masks.safetensors (not a pruned artifact)" in capsys.readouterr().err
