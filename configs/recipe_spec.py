@@ -19,10 +19,10 @@ from core.errors import SmeltError
 from core.patterns import NMPattern
 from core.text_source import SELF_TEXT_FILE, TextSourceConfig
 
-KINDS = ("teacher", "heads", "prune", "teacher_cache", "recover", "self_text", "mtp", "ptq", "qat", "release", "verify",
-         "report", "evaluate")
+KINDS = ("teacher", "heads", "prune", "reconstruct", "teacher_cache", "recover", "self_text", "mtp", "ptq", "qat",
+         "release", "verify", "report", "evaluate")
 TRAINING = ("recover", "mtp", "qat")
-MODELS = ("prune", "recover", "mtp", "ptq", "qat")  # write an HF artifact, evaluated against the teacher
+MODELS = ("prune", "reconstruct", "recover", "mtp", "ptq", "qat")  # write an HF artifact, evaluated against the teacher
 NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a stage name is a Slurm job name and a file name
 PY = "python"  # sys.executable in the commands (printed as `python`)
 
@@ -78,6 +78,17 @@ class PruneStage(Stage):            # prune.run on the teacher
     calib_hessian: str | None = None  # each batch's XᵀX product dtype (core.calibrate.HESSIAN_DTYPES); None: float32
     calib_true_sequential: bool = False  # one forward pass per block, each group on the pruned ones' outputs
     refit: str | None = None        # kept weights re-solved for the mask (prune.run --refit layer|teacher); "none"/None: off
+    evaluate: bool = True
+
+
+@dataclass
+class ReconstructStage(Stage):      # prune.reconstruct: each block's MLP fitted to the teacher's, masks kept
+    input: str = ""                 # a pruned artifact; default: the last model stage
+    out: str = ""
+    lr: float | None = None         # None (here and below): prune.reconstruct's defaults
+    epochs: int | None = None
+    calib_windows: int | None = None
+    calib_seq_len: int | None = None
     evaluate: bool = True
 
 
@@ -153,7 +164,8 @@ class InputStage(Stage):            # verify (qat.verify of a release), evaluate
     input: str = ""
 
 
-TYPES = {"teacher": TeacherStage, "heads": HeadsStage, "prune": PruneStage, "teacher_cache": TeacherCacheStage,
+TYPES = {"teacher": TeacherStage, "heads": HeadsStage, "prune": PruneStage, "reconstruct": ReconstructStage,
+         "teacher_cache": TeacherCacheStage,
          "recover": TrainStage, "self_text": SelfTextStage,
          "mtp": TrainStage, "qat": TrainStage, "ptq": PtqStage, "release": ReleaseStage, "verify": InputStage,
          "evaluate": InputStage, "report": Stage}  # report: eval.report over run_dir/evals
@@ -401,8 +413,12 @@ def check(recipe: Recipe, registry: dict) -> None:
             raise SmeltError(f"{where}: set exactly one of pattern (N:M) and sparsity")
         if isinstance(st, PruneStage) and st.pattern is not None:
             NMPattern.parse(st.pattern, f"{where}.pattern")
-        if isinstance(st, (PruneStage, PtqStage)) and st.calib_windows is not None and st.calib_windows < 1:
+        if isinstance(st, (PruneStage, PtqStage, ReconstructStage)) and st.calib_windows is not None \
+                and st.calib_windows < 1:
             raise SmeltError(f"{where}.calib_windows={st.calib_windows} must be >= 1")
+        if isinstance(st, ReconstructStage) and ((st.lr is not None and not st.lr > 0)
+                                                 or (st.epochs is not None and st.epochs < 1)):
+            raise SmeltError(f"{where}: lr > 0 and epochs >= 1 are required (got {st.lr}, {st.epochs})")
         if isinstance(st, PruneStage) and st.refit == "none":  # TOML has no null: how --set turns a file's refit off
             st.refit = None
         if isinstance(st, PruneStage) and st.refit not in (None, *REFIT_TARGETS):
