@@ -45,8 +45,8 @@ class ReconstructConfig:
     """Settings of the fit; each maps to the CLI flag of the same name."""
 
     # lr and epochs from a sweep on blocks 0, 14 and 29 of SmolLM2's SparseGPT 2:4 (lr 3e-5 to 3e-3, 4 and 8
-    # epochs; results/bench/reconstruct/lr-sweep-*.json): held-out NMSE fell with lr up to 3e-3; 8 epochs were
-    # 1-11% lower than 4, at twice the time
+    # epochs; results/bench/reconstruct/lr-sweep-*.json): held-out NMSE fell with lr up to 3e-3; there 8 epochs were
+    # 1-10% lower than 4, at twice the time
     epochs: int = 4
     lr: float = 3e-3             # AdamW, betas (0.9, 0.95), decayed linearly to 0 over the fit
     batch_tokens: int = 512      # tokens per step: small batches, many steps (the calibration set is small)
