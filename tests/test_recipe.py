@@ -179,6 +179,9 @@ def test_smollm2_mtp_recipe_is_the_default_chain_plus_its_mtp_stages(capsys, tmp
 def test_smollm2_mtp_configs_distil_only_the_main_model():
     """The MTP chain's training configs: KL to the frozen main model, no CE; re-alignment at the lower lr; the
     fused pair reads the same blocks (a re-alignment must load the module it continues)."""
+    from train import cpu_shims
+
+    cpu_shims.apply()  # before torchtitan is first imported in this process (as every entry point does)
     from train import config_registry as r
     for make, lr in ((r.smollm2_mtp_kl, 5e-4), (r.smollm2_mtp_realign_kl, 1e-4), (r.smollm2_mtp_kl_fused, 5e-4),
                      (r.smollm2_mtp_realign_kl_fused, 1e-4)):
