@@ -109,8 +109,8 @@ _KEYS = {"steps": "steps", "batch": "local_batch", "seq_len": "seq_len", "dtype"
 def read_registry(path: Path = REGISTRY) -> dict[str, dict]:
     """{config name: the budget it sets} from train/config_registry.py's source, read without importing
     it (configs/ may not import train/): steps, local_batch, global_batch, seq_len, dtype, source,
-    activation_checkpoint, fake_quant, and an MTP config's fuse_layers where it sets them. A config built from another (`cfg = h100_recover()`) starts from
-    its values. What cannot be read is absent, and the recipe must state it; tests/test_recipe.py checks
+    activation_checkpoint, fake_quant, and an MTP config's fuse_layers where it sets them. A config built from
+    another (`cfg = h100_recover()`) starts from its values. What cannot be read is absent, and the recipe must state it; tests/test_recipe.py checks
     every value against the real configs."""
     if not path.is_file():
         raise SmeltError(f"{path} does not exist (the training configs' registry)")

@@ -339,7 +339,7 @@ def metrics_source(recipe: Recipe, st: ReleaseStage, index: int | None = None) -
 
 
 def _carry_mtp(st: Stage, where: str, registry: dict, modules: dict) -> None:
-    """Training and PTQ stages carry their input's MTP module; an mtp stage continues it, and loading it into
+    """Training, PTQ and reconstruct stages carry their input's MTP module; an mtp stage continues it, and loading it into
     modules built for other fused blocks fails: refuse that now, not an hour into the chain."""
     carried = modules.get(st.src)
     if st.kind != "mtp":
@@ -465,7 +465,7 @@ def check(recipe: Recipe, registry: dict) -> None:
             st.budget = _budget(recipe, st, where, registry)
             if st.teacher_cache is not None:
                 _check_cache_reader(recipe, st, where, outputs)
-        if st.kind in ("recover", "mtp", "ptq", "qat"):
+        if st.kind in ("reconstruct", "recover", "mtp", "ptq", "qat"):
             _carry_mtp(st, where, registry, modules)
         if isinstance(st, ReleaseStage) and st.metrics:
             parent = next((s for s in recipe.stages[:i] if s.dst == metrics_source(recipe, st, i)), None)

@@ -64,7 +64,7 @@ class MTPConfig:
     fuse_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if isinstance(self.fuse_layers, (str, int)) or not hasattr(self.fuse_layers, "__iter__"):
+        if isinstance(self.fuse_layers, str) or not hasattr(self.fuse_layers, "__iter__"):
             raise SmeltError(f"mtp.fuse_layers={self.fuse_layers!r} must be a list of block indices, e.g. [2, 15, 27]")
         self.fuse_layers = tuple(self.fuse_layers)
         _check_fuse_layers(self.fuse_layers)

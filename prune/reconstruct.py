@@ -38,6 +38,15 @@ from models.hf_io import load_hf, load_tokenizer, save_hf
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 
 MLP_LINEARS = ("w1", "w2", "w3")  # gate, down, up (models.llama.FeedForward)
+# The calibration text by default: 64 x 512 windows of the training mix, 8 to a teacher forward (fp32 inputs and
+# outputs of every block: 4.5 GiB on SmolLM2)
+CALIB = CalibConfig(n_windows=64, seq_len=512, corpus="wikitext2-valid+code-train+zh-train", batch_size=8)
+
+
+def mlp_masks(masks: dict[str, torch.Tensor], block: str) -> dict[str, torch.Tensor]:
+    """{"w1"|"w2"|"w3": keep-mask} of one block's MLP from an artifact's masks (absent: that linear is dense)."""
+    prefix = f"layers.{block}.feed_forward."
+    return {k: masks[prefix + k] for k in MLP_LINEARS if prefix + k in masks}
 
 
 @dataclass(kw_only=True)
@@ -154,7 +163,7 @@ def capture_mlp_io(teacher: nn.Module, windows: torch.Tensor, batch_size: int, b
     dev = teacher.tok_embeddings.weight.device
     try:
         for s in tqdm(range(0, windows.shape[0], batch_size), desc="teacher MLP inputs", file=sys.stderr):
-            teacher(windows[s:s + batch_size].to(dev))
+            teacher.hidden_states(windows[s:s + batch_size].to(dev))  # the blocks only: no head, no logits
     finally:
         for h in hooks:
             h.remove()
@@ -168,11 +177,11 @@ def _parse_args(argv):
     ap.add_argument("--out", required=True)
     ap.add_argument("--overwrite", action="store_true")
     ap.add_argument("--blocks", default="", help="comma-separated block indices (default: every block)")
-    ap.add_argument("--calib-windows", type=int, default=64)
-    ap.add_argument("--calib-seq-len", type=int, default=512)
-    ap.add_argument("--calib-corpus", default="wikitext2-valid+code-train+zh-train")
-    ap.add_argument("--calib-seed", type=int, default=0)
-    ap.add_argument("--capture-batch", type=int, default=8, help="windows per teacher forward")
+    ap.add_argument("--calib-windows", type=int, default=CALIB.n_windows)
+    ap.add_argument("--calib-seq-len", type=int, default=CALIB.seq_len)
+    ap.add_argument("--calib-corpus", default=CALIB.corpus)
+    ap.add_argument("--calib-seed", type=int, default=CALIB.seed)
+    ap.add_argument("--capture-batch", type=int, default=CALIB.batch_size, help="windows per teacher forward")
     for f in ReconstructConfig.__dataclass_fields__.values():
         ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
     return ap.parse_args(argv)
@@ -209,9 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     t_capture = time.perf_counter() - t0
     report = {}
     for b in tqdm(blocks, desc="MLP reconstruction", file=sys.stderr):
-        prefix = f"layers.{b}.feed_forward."
-        mm = {k: masks[prefix + k] for k in MLP_LINEARS if prefix + k in masks}
-        report[b] = reconstruct_mlp(student.layers[b].feed_forward, mm, *io.pop(b), cfg, calib.seq_len)
+        report[b] = reconstruct_mlp(student.layers[b].feed_forward, mlp_masks(masks, b), *io.pop(b), cfg, calib.seq_len)
         r = report[b]
         print(f"block {b}: NMSE held out {r['before']['heldout']:.5f} -> {r['after']['heldout']:.5f} "
               f"(train {r['before']['train']:.5f} -> {r['after']['train']:.5f}; epoch {r['epoch_kept']})",

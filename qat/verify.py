@@ -300,9 +300,10 @@ def _check_mtp(rel: Path, r: Report, hf_model) -> None:
             model.output.weight = model.tok_embeddings.weight
         model.eval()
         heads = load_mtp(rel, model, check_fingerprint=False)
+        recorded = {"depth": rec.get("depth"), "fuse_layers": rec.get("fuse_layers", [])}  # [] before fused modules
         for key, got in (("depth", heads.depth), ("fuse_layers", list(heads.fuse_layers))):
-            if rec.get(key, [] if key == "fuse_layers" else None) != got:
-                raise SmeltError(f"settings.mtp.{key}={rec.get(key)!r} in smelt_release.json, the file holds {got!r}")
+            if recorded[key] != got:
+                raise SmeltError(f"settings.mtp.{key}={recorded[key]!r} in smelt_release.json, the file holds {got!r}")
         p = rec["probe"]
         with torch.no_grad():
             got = acceptance_probe(model, heads, p["prompts"], p["new_tokens"], p["gamma"])

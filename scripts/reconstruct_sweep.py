@@ -12,11 +12,10 @@ import json
 import sys
 import time
 
-from core.calibrate import CalibConfig
 from core.masks import load_masks
 from models.hf_io import load_hf, load_tokenizer
 from models.teacher import resolve_teacher
-from prune.reconstruct import MLP_LINEARS, ReconstructConfig, capture_mlp_io, reconstruct_mlp
+from prune.reconstruct import CALIB, ReconstructConfig, capture_mlp_io, mlp_masks, reconstruct_mlp
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--artifact", required=True)
@@ -29,16 +28,15 @@ blocks = args.blocks.split(",")
 runs = [(float(lr), int(ep)) for lr, ep in (r.split(":") for r in args.runs.split(","))]
 student, masks = load_hf(args.artifact), load_masks(args.artifact)
 teacher = load_hf(resolve_teacher(args.teacher)).eval()
-calib = CalibConfig(n_windows=64, seq_len=512, seed=0, corpus="wikitext2-valid+code-train+zh-train", batch_size=8)
+calib = CALIB  # prune.reconstruct's defaults
 t0 = time.perf_counter()
 io = capture_mlp_io(teacher, calib.windows(load_tokenizer(args.artifact)), calib.batch_size, blocks)
 res = {"capture_s": time.perf_counter() - t0}
 for lr, epochs in runs:
     for b in blocks:
         mlp = copy.deepcopy(student.layers[b].feed_forward)
-        mm = {k: masks[f"layers.{b}.feed_forward.{k}"] for k in MLP_LINEARS}
         t = time.perf_counter()
-        r = reconstruct_mlp(mlp, mm, *io[b], ReconstructConfig(epochs=epochs, lr=lr), calib.seq_len)
+        r = reconstruct_mlp(mlp, mlp_masks(masks, b), *io[b], ReconstructConfig(epochs=epochs, lr=lr), calib.seq_len)
         res[f"lr{lr:g}-ep{epochs}/block{b}"] = {**r, "seconds": round(time.perf_counter() - t, 1)}
         print(lr, epochs, b, r["before"]["heldout"], "->", r["after"]["heldout"], file=sys.stderr, flush=True)
 with open(args.out, "w") as f:

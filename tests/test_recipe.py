@@ -480,25 +480,3 @@ def test_a_teacher_cache_stage_feeds_recovery_and_qat(capsys, tmp_path):
     code, _, err = _cli(capsys, _with_cache_stage(tmp_path), "--dry-run", "--set",
                         "stages.recover.teacher_cache=prune")
     assert code == 2 and "stages[4].teacher_cache 'prune' is not an earlier teacher_cache stage" in err
-
-
-def test_a_reconstruct_stage_refits_the_pruned_mlps_and_refuses_bad_settings(capfd, tmp_path, tiny_model_dir):
-    """kind = "reconstruct" after a prune stage: prune.reconstruct on its artifact, into its own; bad settings are
-    one-line errors before anything runs."""
-    run = tmp_path / "run"
-    recipe = tmp_path / "r.toml"
-    recipe.write_text(f'name = "r"\nteacher = "{tiny_model_dir}"\nrun_dir = "{run}"\n[data]\n'
-                      'calibration = "wikitext2-valid"\n[[stages]]\nkind = "prune"\nmethod = "magnitude"\n'
-                      'pattern = "2:4"\nevaluate = false\n[[stages]]\nkind = "reconstruct"\nepochs = 1\n'
-                      'calib_windows = 2\ncalib_seq_len = 32\nevaluate = false\n')
-    assert _run(recipe, "--stage", "prune") == 0, capfd.readouterr().err[-2000:]
-    code = _run(recipe, "--stage", "reconstruct")
-    out = capfd.readouterr()
-    assert code == 0, out.err[-2000:]
-    assert (f"prune.reconstruct --artifact {run}/prune --teacher {tiny_model_dir} --epochs 1 --calib-windows 2 "
-            f"--calib-seq-len 32 --calib-corpus wikitext2-valid --out {run}/reconstruct") in out.out
-    manifest = json.loads((run / "reconstruct" / "manifest.json").read_text())
-    assert manifest["stage"] == "reconstruct" and manifest["parent"]["path"] == str(run / "prune")
-    assert len(manifest["metrics"]["per_block"]) == 2  # the debug flavor's two blocks
-    code, _, err = _cli(capfd, recipe, "--dry-run", "--set", "stages.reconstruct.epochs=0")
-    assert code == 2 and err.strip().endswith("stages[1]: lr > 0 and epochs >= 1 are required (got None, 0)"), err

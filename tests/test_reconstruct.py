@@ -6,6 +6,8 @@ import json
 import pytest
 import torch
 from conftest import tiny_config
+from test_recipe import _cli as _recipe_cli
+from test_recipe import _run as _recipe
 
 from core.errors import SmeltError, run_cli
 from core.masks import load_masks
@@ -120,3 +122,25 @@ def test_cli_refuses_an_artifact_without_masks(tiny_model_dir, tmp_path, capsys)
     with pytest.raises(SystemExit):
         run_cli(lambda: main(["--artifact", str(tiny_model_dir), "--out", str(tmp_path / "r")]))
     assert "has no masks.safetensors (not a pruned artifact)" in capsys.readouterr().err
+
+
+def test_a_reconstruct_stage_refits_the_pruned_mlps_and_refuses_bad_settings(capfd, tmp_path, tiny_model_dir):
+    """kind = "reconstruct" after a prune stage: prune.reconstruct on its artifact, into its own; bad settings are
+    one-line errors before anything runs."""
+    run = tmp_path / "run"
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'name = "r"\nteacher = "{tiny_model_dir}"\nrun_dir = "{run}"\n[data]\n'
+                      'calibration = "wikitext2-valid"\n[[stages]]\nkind = "prune"\nmethod = "magnitude"\n'
+                      'pattern = "2:4"\nevaluate = false\n[[stages]]\nkind = "reconstruct"\nepochs = 1\n'
+                      'calib_windows = 2\ncalib_seq_len = 32\nevaluate = false\n')
+    assert _recipe(recipe, "--stage", "prune") == 0, capfd.readouterr().err[-2000:]
+    code = _recipe(recipe, "--stage", "reconstruct")
+    out = capfd.readouterr()
+    assert code == 0, out.err[-2000:]
+    assert (f"prune.reconstruct --artifact {run}/prune --teacher {tiny_model_dir} --epochs 1 --calib-windows 2 "
+            f"--calib-seq-len 32 --calib-corpus wikitext2-valid --out {run}/reconstruct") in out.out
+    manifest = json.loads((run / "reconstruct" / "manifest.json").read_text())
+    assert manifest["stage"] == "reconstruct" and manifest["parent"]["path"] == str(run / "prune")
+    assert len(manifest["metrics"]["per_block"]) == 2  # the debug flavor's two blocks
+    code, _, err = _recipe_cli(capfd, recipe, "--dry-run", "--set", "stages.reconstruct.epochs=0")
+    assert code == 2 and err.strip().endswith("stages[1]: lr > 0 and epochs >= 1 are required (got None, 0)"), err
