@@ -8,12 +8,17 @@ Why: SparseGPT and the layer refit (`prune.run --refit layer`) fit each linear a
 output. Errors then add up through the SwiGLU nonlinearity and the down projection, which a per-matrix fit
 cannot see; a fit of the whole MLP can (EBFT, Guo et al. 2024; "A Free Lunch in LLM Compression", Wagner
 et al. 2025, find the per-matrix fit consistently worse and whole-submodule windows close to retraining
-at a fraction of its data). Inputs and targets are the dense teacher's (one forward over the calibration
-windows), so the blocks are independent; the loss is ‖MLP(x) − y‖² / ‖y‖² (normalised MSE). Each block keeps
-the epoch whose held-out windows' NMSE was lowest, or its starting weights when none improved on them.
+at a fraction of its data). The loss is ‖MLP(x) − y‖² / ‖y‖² (normalised MSE); each block keeps the epoch whose
+held-out windows' NMSE was lowest, or its starting weights when none improved on them. What x and y are
+(`--inputs`, fit_blocks):
+- teacher (default): the dense teacher's MLP inputs and outputs; the blocks are independent;
+- student: the pruned model's own MLP inputs, through its blocks as already fitted, onto the teacher's outputs
+  (the fit sees the inputs it will get);
+- block: the same inputs onto what makes the whole block output the teacher's (EBFT's objective with the MLP as
+  the trained part: each block also corrects what the blocks before it left).
 
-Attention stays as pruned (the default recipe keeps it dense). `reconstruct_mlp` is the maths; main() the
-lifecycle: capture, fit block by block, write the artifact with the source's masks and side files.
+Attention stays as pruned (the default recipe keeps it dense). `reconstruct_mlp` is the maths; fit_blocks runs
+the blocks; main() the lifecycle: fit block by block, write the artifact with the source's masks and side files.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import math
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,6 +44,7 @@ from models.hf_io import load_hf, load_tokenizer, save_hf
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 
 MLP_LINEARS = ("w1", "w2", "w3")  # gate, down, up (models.llama.FeedForward)
+INPUTS = ("teacher", "student", "block")  # --inputs: what each MLP is fitted on (fit_blocks)
 # The calibration text by default: 64 x 512 windows of the training mix, 8 to a teacher forward (fp32 inputs and
 # outputs of every block: 4.5 GiB on SmolLM2)
 CALIB = CalibConfig(n_windows=64, seq_len=512, corpus="wikitext2-valid+code-train+zh-train", batch_size=8)
@@ -63,6 +70,7 @@ class ReconstructConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     seed: int = 0
+    inputs: str = "teacher"      # what each MLP is fitted on: "teacher", "student" or "block" (fit_blocks)
 
     def __post_init__(self):
         for name, lo in (("epochs", 1), ("batch_tokens", 1), ("seed", 0)):
@@ -73,6 +81,8 @@ class ReconstructConfig:
             raise SmeltError(f"--lr={self.lr} must be > 0")
         if not 0 < self.holdout < 1:
             raise SmeltError(f"--holdout={self.holdout} must be in (0, 1)")
+        if self.inputs not in INPUTS:
+            raise SmeltError(f"--inputs={self.inputs!r} must be one of {', '.join(INPUTS)}")
         if self.weight_decay < 0 or not self.max_grad_norm > 0:
             raise SmeltError(f"--weight-decay={self.weight_decay} must be >= 0 and --max-grad-norm="
                              f"{self.max_grad_norm} > 0")
@@ -150,24 +160,48 @@ def reconstruct_mlp(mlp: nn.Module, masks: dict[str, torch.Tensor], x: torch.Ten
 
 
 @torch.no_grad()
-def capture_mlp_io(teacher: nn.Module, windows: torch.Tensor, batch_size: int, blocks: list[str]
-                   ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """{block: (MLP inputs [N, d], MLP outputs [N, d])} of the teacher over `windows` [n, L], fp32 on the CPU."""
-    got: dict[str, tuple[list, list]] = {b: ([], []) for b in blocks}
-    hooks = []
-    for b in blocks:
-        def hook(_m, args, out, b=b):
-            got[b][0].append(args[0].reshape(-1, args[0].shape[-1]).float().cpu())
-            got[b][1].append(out.reshape(-1, out.shape[-1]).float().cpu())
-        hooks.append(teacher.layers[b].feed_forward.register_forward_hook(hook))
+def fit_blocks(teacher: nn.Module, student: nn.Module, windows: torch.Tensor, batch_size: int, blocks: list[str],
+               inputs: str, fit: Callable[[str, torch.Tensor, torch.Tensor], None]) -> None:
+    """Run `windows` [n, L] through the teacher's blocks (and, unless inputs == "teacher", the student's) one block
+    at a time, and call fit(block, x [N, d], y [N, d]) for each block in `blocks`, in layer order:
+    - "teacher": x, y = the teacher's MLP inputs and outputs (the blocks are independent);
+    - "student": x = the student's MLP inputs through its blocks as fitted so far, y = the teacher's MLP outputs;
+    - "block":   x as "student", y = what the MLP must add for the block to output the teacher's block output
+      (EBFT's target with the MLP as the trained part: it also corrects what earlier blocks left).
+    After fit, the student's stream continues through the block as fitted. One block's activations are held at a
+    time (fp32, on the model's device), never every block's."""
+    if inputs not in INPUTS:
+        raise SmeltError(f"--inputs={inputs!r} must be one of {', '.join(INPUTS)}")
     dev = teacher.tok_embeddings.weight.device
-    try:
-        for s in tqdm(range(0, windows.shape[0], batch_size), desc="teacher MLP inputs", file=sys.stderr):
-            teacher.hidden_states(windows[s:s + batch_size].to(dev))  # the blocks only: no head, no logits
-    finally:
-        for h in hooks:
-            h.remove()
-    return {b: (torch.cat(xs), torch.cat(ys)) for b, (xs, ys) in got.items()}
+    seq_len, d = windows.shape[1], teacher.cfg.dim
+    cos, sin = teacher.rope_cos[:seq_len], teacher.rope_sin[:seq_len]
+    batches = list(windows.split(batch_size))
+    h_t = [teacher.tok_embeddings(b.to(dev)).float() for b in batches]
+    h_s = [student.tok_embeddings(b.to(dev)).float() for b in batches] if inputs != "teacher" else None
+
+    def attend(block: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mid = h + block.attention(block.attention_norm(h), cos, sin)  # the residual after attention
+        return mid, block.ffn_norm(mid)                                 # and the MLP's input
+
+    for key in tqdm(list(student.layers), desc=f"MLP reconstruction ({inputs} inputs)", file=sys.stderr):
+        xs, ys, mids = [], [], []
+        for i in range(len(batches)):
+            mid_t, x_t = attend(teacher.layers[key], h_t[i])
+            y_t = teacher.layers[key].feed_forward(x_t)
+            h_t[i] = mid_t + y_t
+            if h_s is None:
+                xs.append(x_t)
+                ys.append(y_t)
+                continue
+            mid_s, x_s = attend(student.layers[key], h_s[i])
+            xs.append(x_s)
+            ys.append(y_t if inputs == "student" else h_t[i] - mid_s)
+            mids.append(mid_s)
+        if key in blocks:
+            fit(key, torch.cat(xs).reshape(-1, d).cpu(), torch.cat(ys).reshape(-1, d).cpu())
+        if h_s is not None:
+            for i in range(len(batches)):
+                h_s[i] = mids[i] + student.layers[key].feed_forward(xs[i])
 
 
 def _parse_args(argv):
@@ -181,7 +215,7 @@ def _parse_args(argv):
     ap.add_argument("--calib-seq-len", type=int, default=CALIB.seq_len)
     ap.add_argument("--calib-corpus", default=CALIB.corpus)
     ap.add_argument("--calib-seed", type=int, default=CALIB.seed)
-    ap.add_argument("--capture-batch", type=int, default=CALIB.batch_size, help="windows per teacher forward")
+    ap.add_argument("--capture-batch", type=int, default=CALIB.batch_size, help="windows per block forward")
     for f in ReconstructConfig.__dataclass_fields__.values():
         ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
     return ap.parse_args(argv)
@@ -213,16 +247,16 @@ def main(argv: list[str] | None = None) -> None:
         raise SmeltError(f"--blocks: {bad[0]} is not a block of {src} (0..{len(student.layers) - 1})")
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(src if (src / "tokenizer.json").is_file() else resolve_teacher(args.teacher))
-    io = capture_mlp_io(teacher, calib.windows(tokenizer), calib.batch_size, blocks)
-    del teacher
-    t_capture = time.perf_counter() - t0
     report = {}
-    for b in tqdm(blocks, desc="MLP reconstruction", file=sys.stderr):
-        report[b] = reconstruct_mlp(student.layers[b].feed_forward, mlp_masks(masks, b), *io.pop(b), cfg, calib.seq_len)
-        r = report[b]
+
+    def fit(b: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        r = report[b] = reconstruct_mlp(student.layers[b].feed_forward, mlp_masks(masks, b), x, y, cfg, calib.seq_len)
         print(f"block {b}: NMSE held out {r['before']['heldout']:.5f} -> {r['after']['heldout']:.5f} "
               f"(train {r['before']['train']:.5f} -> {r['after']['train']:.5f}; epoch {r['epoch_kept']})",
               file=sys.stderr)
+
+    fit_blocks(teacher, student, calib.windows(tokenizer), calib.batch_size, blocks, cfg.inputs, fit)
+    del teacher
     for name, m in masks.items():  # the fit must not have revived a pruned weight
         if bool((student.get_submodule(name).weight.detach().cpu()[~m.cpu()] != 0).any()):
             raise SmeltError(f"{name}: a pruned weight is non-zero after the fit (a bug)")
@@ -234,8 +268,7 @@ def main(argv: list[str] | None = None) -> None:
         write_manifest(tmp, stage="reconstruct",
                        settings={**asdict(cfg), "blocks": blocks, "teacher": args.teacher,
                                  "calibration": calib.record(device)},
-                       metrics={"per_block": report, "timings_s": {"capture": round(t_capture, 1),
-                                                                   "fit": round(time.perf_counter() - t0 - t_capture, 1)},
+                       metrics={"per_block": report, "seconds": round(time.perf_counter() - t0, 1),
                                 "peak_rss_gib": round(peak_rss_gib(), 3)},
                        parent=parent_record(src))
     print(out)

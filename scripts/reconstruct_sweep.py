@@ -15,7 +15,7 @@ import time
 from core.masks import load_masks
 from models.hf_io import load_hf, load_tokenizer
 from models.teacher import resolve_teacher
-from prune.reconstruct import CALIB, ReconstructConfig, capture_mlp_io, mlp_masks, reconstruct_mlp
+from prune.reconstruct import CALIB, ReconstructConfig, fit_blocks, mlp_masks, reconstruct_mlp
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--artifact", required=True)
@@ -30,7 +30,9 @@ student, masks = load_hf(args.artifact), load_masks(args.artifact)
 teacher = load_hf(resolve_teacher(args.teacher)).eval()
 calib = CALIB  # prune.reconstruct's defaults
 t0 = time.perf_counter()
-io = capture_mlp_io(teacher, calib.windows(load_tokenizer(args.artifact)), calib.batch_size, blocks)
+io = {}  # {block: the teacher's MLP inputs and outputs}: what --inputs teacher fits on
+fit_blocks(teacher, student, calib.windows(load_tokenizer(args.artifact)), calib.batch_size, blocks, "teacher",
+           lambda b, x, y: io.__setitem__(b, (x, y)))
 res = {"capture_s": time.perf_counter() - t0}
 for lr, epochs in runs:
     for b in blocks:

@@ -14,7 +14,7 @@ from core.masks import load_masks
 from core.patterns import NMPattern
 from models.hf_io import load_hf
 from models.llama import FeedForward, build_model
-from prune.reconstruct import ReconstructConfig, capture_mlp_io, main, mlp_nmse, reconstruct_mlp
+from prune.reconstruct import ReconstructConfig, fit_blocks, main, mlp_nmse, reconstruct_mlp
 
 
 def _pair(seed: int = 0, d: int = 32, hidden: int = 64):
@@ -65,14 +65,62 @@ def test_held_out_rows_are_whole_windows_and_bad_settings_name_their_flag():
             ReconstructConfig(**kw)
 
 
-def test_capture_pairs_each_blocks_mlp_input_with_its_output():
+def _block_io(model, tokens):
+    """{block: (MLP input, MLP output, block output)} of a plain forward, rows flattened."""
+    got, hooks = {}, []
+    for key, layer in model.layers.items():
+        def mlp_hook(_m, args, out, key=key):
+            got[key] = [args[0].reshape(-1, args[0].shape[-1]), out.reshape(-1, out.shape[-1])]
+        hooks.append(layer.feed_forward.register_forward_hook(mlp_hook))
+        hooks.append(layer.register_forward_hook(lambda _m, _a, out, key=key: got[key].append(out.reshape(-1, out.shape[-1]))))
+    with torch.no_grad():
+        model.hidden_states(tokens)
+    for h in hooks:
+        h.remove()
+    return got
+
+
+def test_teacher_inputs_pair_each_blocks_mlp_input_with_its_output():
     model = build_model(tiny_config(), seed=1).eval()
     tokens = torch.randint(3, 200, (3, 16))
-    io = capture_mlp_io(model, tokens, 2, ["0", "1"])
-    for b, (x, y) in io.items():
+    ref, seen = _block_io(model, tokens), {}
+    fit_blocks(model, model, tokens, 2, ["0", "1"], "teacher", lambda b, x, y: seen.__setitem__(b, (x, y)))
+    assert list(seen) == ["0", "1"]
+    for b, (x, y) in seen.items():
         assert x.shape == (48, model.cfg.dim) == y.shape
-        assert torch.allclose(model.layers[b].feed_forward(x), y, atol=1e-5)
-    assert not any(m._forward_hooks for m in model.modules())  # hooks removed
+        assert torch.allclose(x, ref[b][0], atol=1e-5) and torch.allclose(y, ref[b][1], atol=1e-5)
+
+
+def test_student_inputs_run_through_the_blocks_as_fitted_and_block_targets_complete_the_teachers_output():
+    teacher = build_model(tiny_config(), seed=1).eval()
+    student = build_model(tiny_config(), seed=1).eval()
+    with torch.no_grad():  # the student differs from block 0 on: its attention and MLP perturbed
+        for name, p in student.layers["0"].named_parameters():
+            if p.dim() == 2:
+                p.mul_(0.5)
+    tokens = torch.randint(3, 200, (3, 16))
+    ref_t = _block_io(teacher, tokens)
+
+    def fit(b, x, y):  # stand-in for a fit: block 0's MLP becomes zero, which block 1's inputs must show
+        seen[b] = (x, y)
+        if b == "0":
+            student.layers["0"].feed_forward.w2.weight.data.zero_()
+    for inputs in ("student", "block"):
+        student.layers["0"].feed_forward.w2.weight.data.copy_(teacher.layers["0"].feed_forward.w2.weight * 0.5)
+        seen = {}
+        fit_blocks(teacher, student, tokens, 2, ["0", "1"], inputs, fit)
+        ref_s = _block_io(student, tokens)  # the student as fitted (block 0's MLP zero)
+        for b in ("0", "1"):
+            x, y = seen[b]
+            assert torch.allclose(x, ref_s[b][0], atol=1e-5)  # its own MLP inputs, after block 0 as fitted
+            if inputs == "student":
+                assert torch.allclose(y, ref_t[b][1], atol=1e-5)  # the teacher's MLP outputs
+            else:  # the residual after the student's attention plus y is the teacher's block output
+                mid = ref_s[b][2] - ref_s[b][1]
+                assert torch.allclose(mid + y, ref_t[b][2], atol=1e-4)
+        assert not torch.allclose(seen["1"][0], ref_t["1"][0], atol=1e-3)  # not the teacher's inputs
+    with pytest.raises(SmeltError, match="--inputs='x' must be one of teacher, student, block"):
+        fit_blocks(teacher, student, tokens, 2, ["0"], "x", fit)
 
 
 def _pruned_artifact(tiny_model_dir, tmp_path):
@@ -105,6 +153,7 @@ def test_cli_writes_an_artifact_with_the_sources_masks_and_lower_mlp_error(tiny_
     (["--blocks", "7"], "--blocks: 7 is not a block of"),
     (["--blocks", "a"], "--blocks 'a' is not a comma-separated list"),
     (["--holdout", "0"], "--holdout=0.0 must be in (0, 1)"),
+    (["--inputs", "dense"], "--inputs='dense' must be one of teacher, student, block"),
 ])
 def test_cli_bad_input_is_one_line_and_writes_nothing(tiny_model_dir, tmp_path, capsys, args, message):
     src = _pruned_artifact(tiny_model_dir, tmp_path)
