@@ -13,7 +13,7 @@ from pathlib import Path
 
 from configs.memory import read_registry
 from configs.schema import build, read_toml
-from core.calibrate import FORWARD_DTYPES, HESSIAN_DTYPES, REFIT_TARGETS, CalibConfig
+from core.calibrate import FORWARD_DTYPES, HESSIAN_DTYPES, RECONSTRUCT_INPUTS, REFIT_TARGETS, CalibConfig
 from core.data import EvalConfig, SelfTextConfig
 from core.errors import SmeltError
 from core.patterns import NMPattern
@@ -87,6 +87,7 @@ class ReconstructStage(Stage):      # prune.reconstruct: each block's MLP fitted
     out: str = ""
     lr: float | None = None         # None (here and below): prune.reconstruct's defaults
     epochs: int | None = None
+    inputs: str | None = None       # "teacher", "student" or "block" (prune.reconstruct --inputs)
     calib_windows: int | None = None
     calib_seq_len: int | None = None
     evaluate: bool = True
@@ -419,6 +420,8 @@ def check(recipe: Recipe, registry: dict) -> None:
         if isinstance(st, ReconstructStage) and ((st.lr is not None and not st.lr > 0)
                                                  or (st.epochs is not None and st.epochs < 1)):
             raise SmeltError(f"{where}: lr > 0 and epochs >= 1 are required (got {st.lr}, {st.epochs})")
+        if isinstance(st, ReconstructStage) and st.inputs not in (None, *RECONSTRUCT_INPUTS):
+            raise SmeltError(f"{where}.inputs {st.inputs!r} is not one of {', '.join(RECONSTRUCT_INPUTS)}")
         if isinstance(st, PruneStage) and st.refit == "none":  # TOML has no null: how --set turns a file's refit off
             st.refit = None
         if isinstance(st, PruneStage) and st.refit not in (None, *REFIT_TARGETS):

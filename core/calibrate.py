@@ -136,6 +136,9 @@ FORWARD_DTYPES = ("float32", "bfloat16", "auto")
 # What a refit of the kept weights matches (prune.run --refit): the layer's own output on the model's inputs, or
 # the teacher's output there (run_blocks' teacher_targets)
 REFIT_TARGETS = ("layer", "teacher")
+# prune.reconstruct --inputs: an MLP fitted on the teacher's stream, on the pruned model's own, or on its own with
+# the block's output as the target (what the recipe checks before anything runs)
+RECONSTRUCT_INPUTS = ("teacher", "student", "block")
 HESSIAN_DTYPES = ("float64", "float32", "bfloat16", "auto")
 
 

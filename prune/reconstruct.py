@@ -35,7 +35,7 @@ from torch import nn
 from tqdm import tqdm
 
 from core.artifact import parent_record, write_manifest
-from core.calibrate import CalibConfig
+from core.calibrate import RECONSTRUCT_INPUTS, CalibConfig
 from core.device import default_device, peak_rss_gib
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_dir
@@ -44,7 +44,6 @@ from models.hf_io import load_hf, load_tokenizer, save_hf
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 
 MLP_LINEARS = ("w1", "w2", "w3")  # gate, down, up (models.llama.FeedForward)
-INPUTS = ("teacher", "student", "block")  # --inputs: what each MLP is fitted on (fit_blocks)
 # The calibration text by default: 64 x 512 windows of the training mix, 8 to a teacher forward (fp32 inputs and
 # outputs of every block: 4.5 GiB on SmolLM2)
 CALIB = CalibConfig(n_windows=64, seq_len=512, corpus="wikitext2-valid+code-train+zh-train", batch_size=8)
@@ -70,7 +69,7 @@ class ReconstructConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     seed: int = 0
-    inputs: str = "teacher"      # what each MLP is fitted on: "teacher", "student" or "block" (fit_blocks)
+    inputs: str = "teacher"      # what each MLP is fitted on: RECONSTRUCT_INPUTS (fit_blocks)
 
     def __post_init__(self):
         for name, lo in (("epochs", 1), ("batch_tokens", 1), ("seed", 0)):
@@ -81,8 +80,8 @@ class ReconstructConfig:
             raise SmeltError(f"--lr={self.lr} must be > 0")
         if not 0 < self.holdout < 1:
             raise SmeltError(f"--holdout={self.holdout} must be in (0, 1)")
-        if self.inputs not in INPUTS:
-            raise SmeltError(f"--inputs={self.inputs!r} must be one of {', '.join(INPUTS)}")
+        if self.inputs not in RECONSTRUCT_INPUTS:
+            raise SmeltError(f"--inputs={self.inputs!r} must be one of {', '.join(RECONSTRUCT_INPUTS)}")
         if self.weight_decay < 0 or not self.max_grad_norm > 0:
             raise SmeltError(f"--weight-decay={self.weight_decay} must be >= 0 and --max-grad-norm="
                              f"{self.max_grad_norm} > 0")
@@ -170,8 +169,8 @@ def fit_blocks(teacher: nn.Module, student: nn.Module, windows: torch.Tensor, ba
       (EBFT's target with the MLP as the trained part: it also corrects what earlier blocks left).
     After fit, the student's stream continues through the block as fitted. One block's activations are held at a
     time (fp32, on the model's device), never every block's."""
-    if inputs not in INPUTS:
-        raise SmeltError(f"--inputs={inputs!r} must be one of {', '.join(INPUTS)}")
+    if inputs not in RECONSTRUCT_INPUTS:
+        raise SmeltError(f"--inputs={inputs!r} must be one of {', '.join(RECONSTRUCT_INPUTS)}")
     dev = teacher.tok_embeddings.weight.device
     seq_len, d = windows.shape[1], teacher.cfg.dim
     cos, sin = teacher.rope_cos[:seq_len], teacher.rope_sin[:seq_len]

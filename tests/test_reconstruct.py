@@ -180,16 +180,18 @@ def test_a_reconstruct_stage_refits_the_pruned_mlps_and_refuses_bad_settings(cap
     recipe = tmp_path / "r.toml"
     recipe.write_text(f'name = "r"\nteacher = "{tiny_model_dir}"\nrun_dir = "{run}"\n[data]\n'
                       'calibration = "wikitext2-valid"\n[[stages]]\nkind = "prune"\nmethod = "magnitude"\n'
-                      'pattern = "2:4"\nevaluate = false\n[[stages]]\nkind = "reconstruct"\nepochs = 1\n'
+                      'pattern = "2:4"\nevaluate = false\n[[stages]]\nkind = "reconstruct"\nepochs = 1\ninputs = "block"\n'
                       'calib_windows = 2\ncalib_seq_len = 32\nevaluate = false\n')
     assert _recipe(recipe, "--stage", "prune") == 0, capfd.readouterr().err[-2000:]
     code = _recipe(recipe, "--stage", "reconstruct")
     out = capfd.readouterr()
     assert code == 0, out.err[-2000:]
-    assert (f"prune.reconstruct --artifact {run}/prune --teacher {tiny_model_dir} --epochs 1 --calib-windows 2 "
+    assert (f"prune.reconstruct --artifact {run}/prune --teacher {tiny_model_dir} --epochs 1 --inputs block --calib-windows 2 "
             f"--calib-seq-len 32 --calib-corpus wikitext2-valid --out {run}/reconstruct") in out.out
     manifest = json.loads((run / "reconstruct" / "manifest.json").read_text())
     assert manifest["stage"] == "reconstruct" and manifest["parent"]["path"] == str(run / "prune")
     assert len(manifest["metrics"]["per_block"]) == 2  # the debug flavor's two blocks
     code, _, err = _recipe_cli(capfd, recipe, "--dry-run", "--set", "stages.reconstruct.epochs=0")
     assert code == 2 and err.strip().endswith("stages[1]: lr > 0 and epochs >= 1 are required (got None, 0)"), err
+    code, _, err = _recipe_cli(capfd, recipe, "--dry-run", "--set", "stages.reconstruct.inputs=dense")
+    assert code == 2 and err.strip().endswith("stages[1].inputs 'dense' is not one of teacher, student, block"), err
