@@ -98,7 +98,9 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
                   f"--skip output,tok_embeddings,attention.wq,attention.wk,attention.wv,attention.wo "
                   f"--calib-windows 64 --calib-seq-len 512 --calib-forward auto --calib-corpus {MIX} "
                   f"--refit layer --out {run}/pruned-2of4")],
-        "recover": [(f"{launch} --config smollm2_recover --student {run}/pruned-2of4 {t} --dump_folder "
+        "reconstruct": [(f"python -m prune.reconstruct --artifact {run}/pruned-2of4 {t} --inputs block --calib-corpus {MIX} "
+                        f"--out {run}/reconstructed-2of4")],
+        "recover": [(f"{launch} --config smollm2_recover --student {run}/reconstructed-2of4 {t} --dump_folder "
                     f"{run}/recovered-2of4-run --export_dir {run}/recovered-2of4 --training.steps 30 "
                     f"--training.mixed_precision_param bfloat16")],
         "quantize": [(f"python -m qat.ptq {t} --artifact {run}/recovered-2of4 --method gptq --act-order "
@@ -114,16 +116,16 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
         "report": [f"python -m eval.report --run {run}"],
     }
     stages = {s["name"]: s for s in plan["stages"]}
-    assert list(stages) == ["teacher", "heads", "prune", "recover", "quantize", "qat", "release", "verify",
-                            "report"]
+    assert list(stages) == ["teacher", "heads", "prune", "reconstruct", "recover", "quantize", "qat", "release",
+                            "verify", "report"]
     assert stages["teacher"]["commands"] == [f"python -m models.teacher {t}", "python -m core.fetched_corpora zh-train en-news"]
     windows = " --seq-len 512 --windows en=16,zh=8,code=8,news=16 --batch-size 4 --needle-dtype bfloat16"
     assert stages["teacher"]["evaluation"].endswith(f"--out {run}/evals/teacher.json --wandb --needle{windows}")
     assert stages["heads"]["evaluation"] is None
     for name, cmds in expected.items():
         assert stages[name]["commands"] == cmds, name
-    for name, art in (("prune", "pruned-2of4"), ("recover", "recovered-2of4"), ("quantize", "gptq-2of4"),
-                      ("qat", "qat-2of4")):
+    for name, art in (("prune", "pruned-2of4"), ("reconstruct", "reconstructed-2of4"), ("recover", "recovered-2of4"),
+                      ("quantize", "gptq-2of4"), ("qat", "qat-2of4")):
         assert stages[name]["evaluation"] == (f"python -m eval.evaluate {t} --model {run}/{art} "
                                               f"--out {run}/evals/{art}.json --wandb"
                                               + " --needle" * (name == "qat") + windows)
@@ -134,8 +136,8 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
 
 def test_smollm2_mtp_recipe_is_the_default_chain_plus_its_mtp_stages(capsys, tmp_path):
     """smollm2-cpu-mtp.toml: every stage of the default recipe with the same command (its own run_dir; GPTQ
-    reads the artifact that carries the module; no refit, as it was measured before the default took one), and
-    the four MTP stages on the texts their main models wrote."""
+    reads the artifact that carries the module; no refit and no reconstruction, as it was measured before the
+    default took them), and the four MTP stages on the texts their main models wrote."""
     smol = tmp_path / "smollm2-config"
     smol.mkdir()
     (smol / "config.json").write_text(json.dumps(config_to_hf(FLAVORS["smollm2-135m"])))
@@ -149,9 +151,11 @@ def test_smollm2_mtp_recipe_is_the_default_chain_plus_its_mtp_stages(capsys, tmp
     assert list(stages) == ["teacher", "heads", "prune", "recover", "self-text", "mtp", "quantize", "qat",
                             "qat-text", "realign", "release", "verify", "report"]
     run = f"{tmp_path}/run"
-    moved = {"quantize": (f"--artifact {run}/recovered-2of4", f"--artifact {run}/mtp-2of4"),
+    moved = {"recover": (f"--student {run}/reconstructed-2of4 ", f"--student {run}/pruned-2of4 "),
+             "quantize": (f"--artifact {run}/recovered-2of4", f"--artifact {run}/mtp-2of4"),
              "release": (f"--artifact {run}/qat-2of4 ", f"--artifact {run}/qat-2of4-mtp ")}
-    for name, want in base.items():
+    assert "reconstruct" in base and "reconstruct" not in stages
+    for name, want in ((n, w) for n, w in base.items() if n != "reconstruct"):
         old, new = moved.get(name, ("", ""))
         assert [c.replace(old, new) for c in want["commands"]] == stages[name]["commands"], name
         assert want["evaluation"] == stages[name]["evaluation"], name
@@ -256,35 +260,35 @@ def test_parameter_count_matches_the_model(tmp_path, flavor):
 def test_list_stages(capsys):
     code, out, _ = _cli(capsys, RECIPES / "smollm2-cpu.toml", "--list-stages")
     assert code == 0
-    assert out.splitlines() == ["teacher", "heads", "prune", "recover", "quantize", "qat", "release", "verify",
-                                "report"]
+    assert out.splitlines() == ["teacher", "heads", "prune", "reconstruct", "recover", "quantize", "qat", "release",
+                                "verify", "report"]
 
 
 BAD = [
-    (["--set", "stages.recover.stepz=2"], "stages[3].stepz"),
+    (["--set", "stages.recover.stepz=2"], "stages[4].stepz"),
     (["--set", "parallelism.nproc=2", "--set", "stages.recover.global_batch=6"],
      "not divisible by local_batch 2 x data-parallel degree 2"),
     (["--set", "stages.recover.input=/no/such/artifact"], "neither an earlier stage nor an existing"),
     (["--set", "stages.recover.config=smollm2_recoverr"], "not a config of train/config_registry.py"),
-    (["--set", "stages.qat.steps=0"], "stages[5].steps=0 must be > 0"),
-    (["--set", "stages.recover.kind=distil"], "stages[3].kind 'distil' is not one of"),
+    (["--set", "stages.qat.steps=0"], "stages[6].steps=0 must be > 0"),
+    (["--set", "stages.recover.kind=distil"], "stages[4].kind 'distil' is not one of"),
     (["--set", "stages.nope.steps=1"], "no stage named 'nope'"),
     (["--set", "data.calibration=wikitext2-test"], "never be calibrated on"),
     (["--set", "data.train=/no/such/data.jsonl"], "data.train: --dataloader.source: path /no/such/data.jsonl does not"),
     (["--set", "data.calibration=/no/such/calib"], "data.calibration: calibration.source: path /no/such/calib"),
     (["--stage", "recoverr"], "is not a stage of"),
     (["--set", "stages.prune.protect=recover"], "stages[2].protect 'recover' is neither an earlier heads stage"),
-    (["--set", "stages.report.needle=true"], "stages[8].needle: a report stage is not evaluated"),
+    (["--set", "stages.report.needle=true"], "stages[9].needle: a report stage is not evaluated"),
     (["--json", "x.json"], "--json needs --dry-run"),
-    (["--set", "stages.release.dtype=int8"], "stages[6].dtype 'int8' is not one of"),
-    (["--set", "stages.release.sparse_storage=csr"], "stages[6].sparse_storage 'csr' is not one of"),
-    (["--set", "stages.verify.kernel_layers=-1"], "stages[7].kernel_layers=-1"),
+    (["--set", "stages.release.dtype=int8"], "stages[7].dtype 'int8' is not one of"),
+    (["--set", "stages.release.sparse_storage=csr"], "stages[7].sparse_storage 'csr' is not one of"),
+    (["--set", "stages.verify.kernel_layers=-1"], "stages[8].kernel_layers=-1"),
     (["--set", "stages.prune.calib_forward=fp8"], "stages[2].calib_forward 'fp8' is not one of"),
-    (["--set", "stages.quantize.calib_hessian=float16"], "stages[4].calib_hessian 'float16' is not one of"),
+    (["--set", "stages.quantize.calib_hessian=float16"], "stages[5].calib_hessian 'float16' is not one of"),
     (["--set", "stages.prune.refit=weights"], "stages[2].refit 'weights' is not one of"),
     (["--set", "stages.prune.refit=teacher", "--set", "stages.prune.calib_true_sequential=true"],
      "stages[2]: refit = \"teacher\" needs calib_true_sequential = false"),
-    (["--set", "stages.quantize.calib_true_sequential=1"], "stages[4].calib_true_sequential=1 has the wrong type"),
+    (["--set", "stages.quantize.calib_true_sequential=1"], "stages[5].calib_true_sequential=1 has the wrong type"),
     (["--set", "eval.needle_dtype=fp8"], "eval.needle_dtype 'fp8' is not float32 or bfloat16"),
     (["--set", "stages.prune.skip=attention.wq"], "stages[2].skip='attention.wq' has the wrong type"),
     (["--set", 'stages.prune.skip=["output,attention.wq"]'], "stages[2].skip ['output,attention.wq']: each entry is one module name"),
@@ -473,10 +477,10 @@ def test_a_teacher_cache_stage_feeds_recovery_and_qat(capsys, tmp_path):
     assert plain["recover"]["memory_gib"]["total"] > stages["recover"]["memory_gib"]["total"]
     for cache, message in (({"seq_len": 512}, "teacher_cache 'teacher-top64' holds seq_len 512; this stage "
                                               "trains with 256"),
-                           ({"top_k": 0}, "stages[3].top_k=0 must be >= 1"),
-                           ({"dtype": '"float16"'}, "stages[3].dtype 'float16' is not float32 or bfloat16")):
+                           ({"top_k": 0}, "stages[4].top_k=0 must be >= 1"),
+                           ({"dtype": '"float16"'}, "stages[4].dtype 'float16' is not float32 or bfloat16")):
         code, out, err = _cli(capsys, _with_cache_stage(tmp_path, **cache), "--dry-run")
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     code, _, err = _cli(capsys, _with_cache_stage(tmp_path), "--dry-run", "--set",
                         "stages.recover.teacher_cache=prune")
-    assert code == 2 and "stages[4].teacher_cache 'prune' is not an earlier teacher_cache stage" in err
+    assert code == 2 and "stages[5].teacher_cache 'prune' is not an earlier teacher_cache stage" in err
