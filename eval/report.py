@@ -18,7 +18,7 @@ from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_path, atomic_write_text
 from eval.needle import heatmap
 
-STAGE_ORDER = ["teacher", "pruned", "recovered", "gptq", "rtn", "qat"]
+STAGE_ORDER = ["teacher", "pruned", "reconstructed", "recovered", "gptq", "rtn", "qat"]  # the recipe's chain
 # Per-token KL below this (nats) is the harness's noise floor (fp16-cached teacher log-probs): the tail
 # panels start here, and a stage whose stored quantiles all lie below it is listed, not drawn.
 KL_FLOOR = 1e-4

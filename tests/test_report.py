@@ -16,13 +16,15 @@ def _rep(kl):
 
 def test_report_orders_stages_and_writes_table_and_plot(tmp_path):
     (tmp_path / "evals").mkdir()
-    for name, kl in (("qat-2of4", 0.2), ("teacher", 0.0), ("pruned-2of4", 0.8)):
+    for name, kl in (("qat-2of4", 0.2), ("teacher", 0.0), ("recovered-2of4", 0.6), ("pruned-2of4", 0.8),
+                     ("reconstructed-2of4", 0.5)):
         (tmp_path / "evals" / f"{name}.json").write_text(json.dumps(_rep(kl)))
     proc = subprocess.run([sys.executable, "-m", "eval.report", "--run", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
     table = (tmp_path / "report.md").read_text()
-    assert table.index("teacher") < table.index("pruned-2of4") < table.index("qat-2of4")
+    assert (table.index("teacher") < table.index("pruned-2of4") < table.index("reconstructed-2of4")
+            < table.index("recovered-2of4") < table.index("qat-2of4"))
     assert "| pruned-2of4 | en | 10.80 | 0.800 | 4.000 | 0.920 |" in table
     assert (tmp_path / "report.png").stat().st_size > 1000
 
