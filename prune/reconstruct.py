@@ -44,8 +44,8 @@ from models.hf_io import load_hf, load_tokenizer, save_hf
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 
 MLP_LINEARS = ("w1", "w2", "w3")  # gate, down, up (models.llama.FeedForward)
-# The calibration text by default: 64 x 512 windows of the training mix, 8 to a teacher forward (fp32 inputs and
-# outputs of every block: 4.5 GiB on SmolLM2)
+# The calibration text by default: 64 x 512 windows of the training mix, 8 to a block forward (fit_blocks holds one
+# block's fp32 activations at a time: ~0.3 GiB on SmolLM2)
 CALIB = CalibConfig(n_windows=64, seq_len=512, corpus="wikitext2-valid+code-train+zh-train", batch_size=8)
 
 
@@ -167,8 +167,8 @@ def fit_blocks(teacher: nn.Module, student: nn.Module, windows: torch.Tensor, ba
     - "student": x = the student's MLP inputs through its blocks as fitted so far, y = the teacher's MLP outputs;
     - "block":   x as "student", y = what the MLP must add for the block to output the teacher's block output
       (EBFT's target with the MLP as the trained part: it also corrects what earlier blocks left).
-    After fit, the student's stream continues through the block as fitted. One block's activations are held at a
-    time (fp32, on the model's device), never every block's."""
+    After fit, the student's stream continues through the block as fitted; blocks after the last one in `blocks` are
+    not run. One block's activations are held at a time (fp32, on the model's device, where x and y stay too)."""
     if inputs not in RECONSTRUCT_INPUTS:
         raise SmeltError(f"--inputs={inputs!r} must be one of {', '.join(RECONSTRUCT_INPUTS)}")
     dev = teacher.tok_embeddings.weight.device
@@ -182,7 +182,10 @@ def fit_blocks(teacher: nn.Module, student: nn.Module, windows: torch.Tensor, ba
         mid = h + block.attention(block.attention_norm(h), cos, sin)  # the residual after attention
         return mid, block.ffn_norm(mid)                                 # and the MLP's input
 
+    todo = set(blocks)
     for key in tqdm(list(student.layers), desc=f"MLP reconstruction ({inputs} inputs)", file=sys.stderr):
+        if not todo:
+            break
         xs, ys, mids = [], [], []
         for i in range(len(batches)):
             mid_t, x_t = attend(teacher.layers[key], h_t[i])
@@ -196,8 +199,9 @@ def fit_blocks(teacher: nn.Module, student: nn.Module, windows: torch.Tensor, ba
             xs.append(x_s)
             ys.append(y_t if inputs == "student" else h_t[i] - mid_s)
             mids.append(mid_s)
-        if key in blocks:
-            fit(key, torch.cat(xs).reshape(-1, d).cpu(), torch.cat(ys).reshape(-1, d).cpu())
+        if key in todo:
+            todo.discard(key)
+            fit(key, torch.cat(xs).reshape(-1, d), torch.cat(ys).reshape(-1, d))
         if h_s is not None:
             for i in range(len(batches)):
                 h_s[i] = mids[i] + student.layers[key].feed_forward(xs[i])
