@@ -85,8 +85,9 @@ def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
                  *_opt("--calib-corpus", calib), *_opt("--refit", st.refit), "--out", st.dst]]
     if st.kind == "reconstruct":
         return [[PY, "-m", "prune.reconstruct", "--artifact", st.src, "--teacher", t, *_opt("--lr", st.lr),
-                 *_opt("--epochs", st.epochs), *_opt("--inputs", st.inputs), *_opt("--calib-windows", st.calib_windows),
-                 *_opt("--calib-seq-len", st.calib_seq_len), *_opt("--calib-corpus", calib), "--out", st.dst]]
+                 *_opt("--epochs", st.epochs), *_opt("--inputs", st.inputs), *_opt("--fit", st.fit),
+                 *_opt("--calib-windows", st.calib_windows), *_opt("--calib-seq-len", st.calib_seq_len),
+                 *_opt("--calib-corpus", calib), "--out", st.dst]]
     if st.kind == "teacher_cache":
         return [[PY, "-m", "distill.teacher_cache", "--teacher", t, "--source", recipe.data.train,
                  "--seq-len", str(st.seq_len), "--windows", str(st.windows), "--top-k", str(st.top_k),

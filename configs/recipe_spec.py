@@ -13,7 +13,15 @@ from pathlib import Path
 
 from configs.memory import read_registry
 from configs.schema import build, read_toml
-from core.calibrate import FORWARD_DTYPES, HESSIAN_DTYPES, RECONSTRUCT_INPUTS, REFIT_TARGETS, CalibConfig
+from core.calibrate import (
+    FORWARD_DTYPES,
+    HESSIAN_DTYPES,
+    RECONSTRUCT_FITS,
+    RECONSTRUCT_INPUTS,
+    REFIT_TARGETS,
+    CalibConfig,
+    check_reconstruct,
+)
 from core.data import EvalConfig, SelfTextConfig
 from core.errors import SmeltError
 from core.patterns import NMPattern
@@ -88,6 +96,7 @@ class ReconstructStage(Stage):      # prune.reconstruct: each block's MLP fitted
     lr: float | None = None         # None (here and below): prune.reconstruct's defaults
     epochs: int | None = None
     inputs: str | None = None       # "teacher", "student" or "block" (prune.reconstruct --inputs)
+    fit: str | None = None          # "mlp" or "block": what is trained (prune.reconstruct --fit)
     calib_windows: int | None = None
     calib_seq_len: int | None = None
     evaluate: bool = True
@@ -420,8 +429,8 @@ def check(recipe: Recipe, registry: dict) -> None:
         if isinstance(st, ReconstructStage) and ((st.lr is not None and not st.lr > 0)
                                                  or (st.epochs is not None and st.epochs < 1)):
             raise SmeltError(f"{where}: lr > 0 and epochs >= 1 are required (got {st.lr}, {st.epochs})")
-        if isinstance(st, ReconstructStage) and st.inputs not in (None, *RECONSTRUCT_INPUTS):
-            raise SmeltError(f"{where}.inputs {st.inputs!r} is not one of {', '.join(RECONSTRUCT_INPUTS)}")
+        if isinstance(st, ReconstructStage):
+            check_reconstruct(st.inputs or RECONSTRUCT_INPUTS[0], st.fit or RECONSTRUCT_FITS[0], f"{where}.")
         if isinstance(st, PruneStage) and st.refit == "none":  # TOML has no null: how --set turns a file's refit off
             st.refit = None
         if isinstance(st, PruneStage) and st.refit not in (None, *REFIT_TARGETS):

@@ -137,8 +137,21 @@ FORWARD_DTYPES = ("float32", "bfloat16", "auto")
 # the teacher's output there (run_blocks' teacher_targets)
 REFIT_TARGETS = ("layer", "teacher")
 # prune.reconstruct --inputs: an MLP fitted on the teacher's stream, on the pruned model's own, or on its own with
-# the block's output as the target (what the recipe checks before anything runs)
+# the block's output as the target; --fit: the MLP's linears trained, or every linear of the block (the first of
+# each is prune.reconstruct's default; the recipe checks them before anything runs)
 RECONSTRUCT_INPUTS = ("teacher", "student", "block")
+RECONSTRUCT_FITS = ("mlp", "block")
+
+
+def check_reconstruct(inputs: str, fit: str, prefix: str) -> None:
+    """A one-line SmeltError for prune.reconstruct's --inputs / --fit values (prefix: "--", or a recipe stage's
+    "stages[i].")."""
+    for name, value, allowed in (("inputs", inputs, RECONSTRUCT_INPUTS), ("fit", fit, RECONSTRUCT_FITS)):
+        if value not in allowed:
+            raise SmeltError(f"{prefix}{name}={value!r} must be one of {', '.join(allowed)}")
+    if fit == "block" and inputs == "student":  # the block's output is the target: that is inputs "block"
+        raise SmeltError(f"{prefix}fit='block' fits the block's output: {prefix}inputs must be teacher or block, "
+                         f"not student")
 HESSIAN_DTYPES = ("float64", "float32", "bfloat16", "auto")
 
 

@@ -1,6 +1,5 @@
-"""Local reconstruction of a pruned model's MLPs: each block's gate, up and down projections, trained together
-on their kept weights (the masks never change), so that the block's MLP maps the teacher's MLP inputs onto
-the teacher's MLP outputs.
+"""Local reconstruction of a pruned model's blocks: each block's MLP (gate, up and down projections), or all of its
+linears, trained together on their kept weights (the masks never change) to match the teacher's block.
 
     python -m prune.reconstruct --artifact runs/smollm2/pruned-2of4 --out runs/smollm2/pruned-2of4-mlp
 
@@ -17,8 +16,11 @@ held-out windows' NMSE was lowest, or its starting weights when none improved on
 - block: the same inputs onto what makes the whole block output the teacher's (EBFT's objective with the MLP as
   the trained part: each block also corrects what the blocks before it left).
 
-Attention stays as pruned (the default recipe keeps it dense). `reconstruct_mlp` is the maths; fit_blocks runs
-the blocks; main() the lifecycle: fit block by block, write the artifact with the source's masks and side files.
+`--fit block` trains every linear of the block instead, attention's too (kept weights only where masked), on the
+block's inputs (teacher's, or with --inputs block the pruned model's own) to output the teacher's block output:
+EBFT's whole-block fit. Otherwise attention stays as pruned (the default recipe keeps it dense).
+`reconstruct_mlp` and `reconstruct_block` are the maths; fit_blocks runs the blocks; main() the lifecycle: fit
+block by block, write the artifact with the source's masks and side files.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from torch import nn
 from tqdm import tqdm
 
 from core.artifact import parent_record, write_manifest
-from core.calibrate import RECONSTRUCT_INPUTS, CalibConfig
+from core.calibrate import RECONSTRUCT_FITS, RECONSTRUCT_INPUTS, CalibConfig, check_reconstruct
 from core.device import default_device, peak_rss_gib
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_dir
@@ -49,10 +51,11 @@ MLP_LINEARS = ("w1", "w2", "w3")  # gate, down, up (models.llama.FeedForward)
 CALIB = CalibConfig(n_windows=64, seq_len=512, corpus="wikitext2-valid+code-train+zh-train", batch_size=8)
 
 
-def mlp_masks(masks: dict[str, torch.Tensor], block: str) -> dict[str, torch.Tensor]:
-    """{"w1"|"w2"|"w3": keep-mask} of one block's MLP from an artifact's masks (absent: that linear is dense)."""
-    prefix = f"layers.{block}.feed_forward."
-    return {k: masks[prefix + k] for k in MLP_LINEARS if prefix + k in masks}
+def part_masks(masks: dict[str, torch.Tensor], block: str, fit: str) -> dict[str, torch.Tensor]:
+    """{linear name inside the fitted part: keep-mask} of one block's MLP (fit "mlp": "w1", ...) or of the whole
+    block (fit "block": "attention.wq", "feed_forward.w1", ...) from an artifact's masks; absent: dense."""
+    prefix = f"layers.{block}." + ("feed_forward." if fit == "mlp" else "")
+    return {k[len(prefix):]: m for k, m in masks.items() if k.startswith(prefix)}
 
 
 @dataclass(kw_only=True)
@@ -69,7 +72,8 @@ class ReconstructConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     seed: int = 0
-    inputs: str = "teacher"      # what each MLP is fitted on: RECONSTRUCT_INPUTS (fit_blocks)
+    inputs: str = RECONSTRUCT_INPUTS[0]  # what each block is fitted on: teacher, student, block (fit_blocks)
+    fit: str = RECONSTRUCT_FITS[0]       # what is trained: mlp (its linears), block (every linear of the block)
 
     def __post_init__(self):
         for name, lo in (("epochs", 1), ("batch_tokens", 1), ("seed", 0)):
@@ -80,66 +84,65 @@ class ReconstructConfig:
             raise SmeltError(f"--lr={self.lr} must be > 0")
         if not 0 < self.holdout < 1:
             raise SmeltError(f"--holdout={self.holdout} must be in (0, 1)")
-        if self.inputs not in RECONSTRUCT_INPUTS:
-            raise SmeltError(f"--inputs={self.inputs!r} must be one of {', '.join(RECONSTRUCT_INPUTS)}")
+        check_reconstruct(self.inputs, self.fit, "--")
         if self.weight_decay < 0 or not self.max_grad_norm > 0:
             raise SmeltError(f"--weight-decay={self.weight_decay} must be >= 0 and --max-grad-norm="
                              f"{self.max_grad_norm} > 0")
 
 
 @torch.no_grad()
-def mlp_nmse(mlp: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_tokens: int = 4096) -> float:
-    """‖mlp(x) − y‖² / ‖y‖² over all rows of x [N, d], y [N, d] (fp32 sums)."""
+def fit_nmse(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, y: torch.Tensor, residual: bool = False,
+             batch: int = 4096, device: torch.device | None = None) -> float:
+    """‖f(x) − y‖² / ‖y‖², or with `residual` (f returns x plus what it adds) ‖f(x) − y‖² / ‖y − x‖², over the
+    first dimension of x and y in batches (fp32 sums), on `device` (default: f's if a module, else x's). A block's
+    stream dwarfs what the block adds: measured against the stream, any fit would look close."""
     err = ref = 0.0
-    dev = next(mlp.parameters()).device
-    for s in range(0, x.shape[0], batch_tokens):
-        xb, yb = x[s:s + batch_tokens].to(dev).float(), y[s:s + batch_tokens].to(dev).float()
-        err += float((mlp(xb) - yb).pow(2).sum())
-        ref += float(yb.pow(2).sum())
+    dev = device or (next(f.parameters()).device if isinstance(f, nn.Module) else x.device)
+    for s in range(0, x.shape[0], batch):
+        xb, yb = x[s:s + batch].to(dev).float(), y[s:s + batch].to(dev).float()
+        err += float((f(xb) - yb).pow(2).sum())
+        ref += float((yb - xb if residual else yb).pow(2).sum())
     return err / ref
 
 
-def reconstruct_mlp(mlp: nn.Module, masks: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
-                    cfg: ReconstructConfig, tokens_per_window: int | None = None) -> dict:
-    """Fit mlp's w1/w2/w3 kept weights (masks {"w1"|"w2"|"w3": bool keep}, absent: dense) to map x [N, d] onto
-    y [N, d], in place. Rows are split into training and held-out windows of `tokens_per_window` rows (one
-    window's tokens stay together: neighbours are not independent); the weights after the epoch with the lowest
-    held-out NMSE are kept, or the starting ones. Returns the NMSE before and after on both splits."""
-    gen = torch.Generator().manual_seed(cfg.seed)
-    n = x.shape[0]
-    per = tokens_per_window or n
-    if n % per:
-        raise SmeltError(f"{n} rows are not whole windows of {per} tokens")
-    windows = torch.randperm(n // per, generator=gen)
-    n_hold = max(1, round(len(windows) * cfg.holdout)) if len(windows) > 1 else 0
-    rows = (windows[:, None] * per + torch.arange(per)).reshape(len(windows), per)
-    hold, train = rows[:n_hold].reshape(-1), rows[n_hold:].reshape(-1)
-    if n_hold == 0:  # one window: hold out its last tenth instead
-        cut = max(1, round(n * cfg.holdout))
-        hold, train = torch.arange(n - cut, n), torch.arange(n - cut)
-    params = [getattr(mlp, k).weight for k in MLP_LINEARS]
-    keep = {k: masks[k].to(getattr(mlp, k).weight.device) for k in MLP_LINEARS if k in masks}
-    for k, m in keep.items():
-        if m.shape != getattr(mlp, k).weight.shape:
-            raise SmeltError(f"mask of {k} has shape {tuple(m.shape)}, the weight {tuple(getattr(mlp, k).weight.shape)}")
+def _split(n_windows: int, cfg: ReconstructConfig, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(held-out, training) window indices: a random `holdout` share of the windows, at least one."""
+    windows = torch.randperm(n_windows, generator=gen)
+    n_hold = max(1, round(n_windows * cfg.holdout)) if n_windows > 1 else 0
+    return windows[:n_hold], windows[n_hold:]
+
+
+def _fit(module: nn.Module, f: Callable[[torch.Tensor], torch.Tensor], masks: dict[str, torch.Tensor],
+         x: torch.Tensor, y: torch.Tensor, residual: bool, train: torch.Tensor, hold: torch.Tensor, batch: int,
+         eval_batch: int, cfg: ReconstructConfig, gen: torch.Generator) -> dict:
+    """Train every nn.Linear weight in `module` (the masked ones on their kept entries) so that f(x[i]) ≈ y[i],
+    `batch` indices of `train` a step (fit_nmse's `residual`); keep the epoch with the lowest held-out NMSE, or the
+    starting weights."""
+    linears = {n: m for n, m in module.named_modules() if isinstance(m, nn.Linear)}
+    if bad := sorted(set(masks) - set(linears)):
+        raise SmeltError(f"mask {bad[0]} names no linear of the fitted part")
+    for k, m in masks.items():
+        if m.shape != linears[k].weight.shape:
+            raise SmeltError(f"mask of {k} has shape {tuple(m.shape)}, the weight {tuple(linears[k].weight.shape)}")
+    params = [m.weight for m in linears.values()]
+    dev = params[0].device
+    keep = {k: m.to(dev) for k, m in masks.items()}
 
     def nmse(idx: torch.Tensor) -> float:
-        return mlp_nmse(mlp, x[idx], y[idx])
+        return fit_nmse(f, x[idx], y[idx], residual, eval_batch, dev)
 
     before = {"train": nmse(train), "heldout": nmse(hold)}
     best, best_state, best_epoch = before["heldout"], [p.detach().clone() for p in params], 0
-    steps_per_epoch = math.ceil(len(train) / cfg.batch_tokens)
-    total = cfg.epochs * steps_per_epoch
+    total = cfg.epochs * math.ceil(len(train) / batch)
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / total)
-    dev = params[0].device
     with torch.enable_grad():
         for epoch in range(1, cfg.epochs + 1):
             order = train[torch.randperm(len(train), generator=gen)]
-            for s in range(0, len(order), cfg.batch_tokens):
-                idx = order[s:s + cfg.batch_tokens]
+            for s in range(0, len(order), batch):
+                idx = order[s:s + batch]
                 xb, yb = x[idx].to(dev).float(), y[idx].to(dev).float()
-                loss = (mlp(xb) - yb).pow(2).sum() / yb.pow(2).sum()
+                loss = (f(xb) - yb).pow(2).sum() / (yb - xb if residual else yb).pow(2).sum()
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
@@ -147,7 +150,7 @@ def reconstruct_mlp(mlp: nn.Module, masks: dict[str, torch.Tensor], x: torch.Ten
                 sched.step()
                 with torch.no_grad():
                     for k, m in keep.items():  # a pruned weight stays exactly 0 (decay and Adam's moments aside)
-                        getattr(mlp, k).weight.mul_(m)
+                        linears[k].weight.mul_(m)
             held = nmse(hold)
             if held < best:
                 best, best_state, best_epoch = held, [p.detach().clone() for p in params], epoch
@@ -158,19 +161,58 @@ def reconstruct_mlp(mlp: nn.Module, masks: dict[str, torch.Tensor], x: torch.Ten
             "steps": total}
 
 
+def reconstruct_mlp(mlp: nn.Module, masks: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+                    cfg: ReconstructConfig, tokens_per_window: int | None = None) -> dict:
+    """Fit mlp's w1/w2/w3 kept weights (masks {"w1"|"w2"|"w3": bool keep}, absent: dense) to map x [N, d] onto
+    y [N, d], in place, `cfg.batch_tokens` rows a step. Rows are split into training and held-out windows of
+    `tokens_per_window` rows (one window's tokens stay together: neighbours are not independent); the weights
+    after the epoch with the lowest held-out NMSE are kept, or the starting ones. Returns the NMSE before and
+    after on both splits."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    n = x.shape[0]
+    per = tokens_per_window or n
+    if n % per:
+        raise SmeltError(f"{n} rows are not whole windows of {per} tokens")
+    hold_w, train_w = _split(n // per, cfg, gen)
+    if len(hold_w) == 0:  # one window: hold out its last tenth instead
+        cut = max(1, round(n * cfg.holdout))
+        hold, train = torch.arange(n - cut, n), torch.arange(n - cut)
+    else:
+        hold, train = ((w[:, None] * per + torch.arange(per)).reshape(-1) for w in (hold_w, train_w))
+    return _fit(mlp, mlp, masks, x, y, False, train, hold, cfg.batch_tokens, 4096, cfg, gen)
+
+
+def reconstruct_block(block: nn.Module, masks: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, cfg: ReconstructConfig) -> dict:
+    """Fit every linear of a transformer block (masks {"attention.wq"|...|"feed_forward.w1"|...: bool keep}, absent:
+    dense) so that block(x) maps its inputs x [n, L, d] onto y [n, L, d], in place; whole windows (attention
+    mixes a window's tokens), cfg.batch_tokens // L of them a step. The loss is NMSE against what the block must
+    add (y − x). The norms stay: their gains are per-input-channel scales the kept weights already express.
+    Held-out windows, the epoch kept and the returned record as reconstruct_mlp's."""
+    if x.shape[0] < 2:
+        raise SmeltError(f"a block fit needs at least 2 windows (one held out), got {x.shape[0]}")
+    gen = torch.Generator().manual_seed(cfg.seed)
+    hold, train = _split(x.shape[0], cfg, gen)
+    per = x.shape[1]
+    return _fit(block, lambda h: block(h, cos, sin), masks, x, y, True, train, hold, max(1, cfg.batch_tokens // per),
+                max(1, 4096 // per), cfg, gen)
+
+
 @torch.no_grad()
 def fit_blocks(teacher: nn.Module, student: nn.Module, windows: torch.Tensor, batch_size: int, blocks: list[str],
-               inputs: str, fit: Callable[[str, torch.Tensor, torch.Tensor], None]) -> None:
+               inputs: str, fit: Callable[[str, torch.Tensor, torch.Tensor], None], part: str = "mlp") -> None:
     """Run `windows` [n, L] through the teacher's blocks (and, unless inputs == "teacher", the student's) one block
-    at a time, and call fit(block, x [N, d], y [N, d]) for each block in `blocks`, in layer order:
+    at a time, and call fit(block, x, y) for each block in `blocks`, in layer order. With part "mlp", x and y are
+    [N, d] MLP inputs and targets:
     - "teacher": x, y = the teacher's MLP inputs and outputs (the blocks are independent);
     - "student": x = the student's MLP inputs through its blocks as fitted so far, y = the teacher's MLP outputs;
     - "block":   x as "student", y = what the MLP must add for the block to output the teacher's block output
       (EBFT's target with the MLP as the trained part: it also corrects what earlier blocks left).
+    With part "block", x and y are [n, L, d] block inputs (the teacher's, or with "block" the student's own) and
+    the teacher's block outputs ("student" would be "block" again: refused).
     After fit, the student's stream continues through the block as fitted; blocks after the last one in `blocks` are
     not run. One block's activations are held at a time (fp32, on the model's device, where x and y stay too)."""
-    if inputs not in RECONSTRUCT_INPUTS:
-        raise SmeltError(f"--inputs={inputs!r} must be one of {', '.join(RECONSTRUCT_INPUTS)}")
+    check_reconstruct(inputs, part, "--")
     dev = teacher.tok_embeddings.weight.device
     seq_len, d = windows.shape[1], teacher.cfg.dim
     cos, sin = teacher.rope_cos[:seq_len], teacher.rope_sin[:seq_len]
@@ -183,9 +225,18 @@ def fit_blocks(teacher: nn.Module, student: nn.Module, windows: torch.Tensor, ba
         return mid, block.ffn_norm(mid)                                 # and the MLP's input
 
     todo = set(blocks)
-    for key in tqdm(list(student.layers), desc=f"MLP reconstruction ({inputs} inputs)", file=sys.stderr):
+    for key in tqdm(list(student.layers), desc=f"{part} reconstruction ({inputs} inputs)", file=sys.stderr):
         if not todo:
             break
+        if part == "block":
+            xs = h_s if h_s is not None else [h.clone() for h in h_t]
+            h_t = [teacher.layers[key](h, cos, sin) for h in h_t]
+            if key in todo:
+                todo.discard(key)
+                fit(key, torch.cat(xs), torch.cat(h_t))
+            if h_s is not None:
+                h_s = [student.layers[key](h, cos, sin) for h in h_s]
+            continue
         xs, ys, mids = [], [], []
         for i in range(len(batches)):
             mid_t, x_t = attend(teacher.layers[key], h_t[i])
@@ -252,13 +303,18 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_tokenizer(src if (src / "tokenizer.json").is_file() else resolve_teacher(args.teacher))
     report = {}
 
-    def fit(b: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        r = report[b] = reconstruct_mlp(student.layers[b].feed_forward, mlp_masks(masks, b), x, y, cfg, calib.seq_len)
+    def fit_one(b: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        if cfg.fit == "mlp":
+            r = reconstruct_mlp(student.layers[b].feed_forward, part_masks(masks, b, "mlp"), x, y, cfg, calib.seq_len)
+        else:
+            r = reconstruct_block(student.layers[b], part_masks(masks, b, "block"), x, y, *rope, cfg)
+        report[b] = r
         print(f"block {b}: NMSE held out {r['before']['heldout']:.5f} -> {r['after']['heldout']:.5f} "
               f"(train {r['before']['train']:.5f} -> {r['after']['train']:.5f}; epoch {r['epoch_kept']})",
               file=sys.stderr)
 
-    fit_blocks(teacher, student, calib.windows(tokenizer), calib.batch_size, blocks, cfg.inputs, fit)
+    rope = (student.rope_cos[:calib.seq_len], student.rope_sin[:calib.seq_len])
+    fit_blocks(teacher, student, calib.windows(tokenizer), calib.batch_size, blocks, cfg.inputs, fit_one, cfg.fit)
     del teacher
     for name, m in masks.items():  # the fit must not have revived a pruned weight
         if bool((student.get_submodule(name).weight.detach().cpu()[~m.cpu()] != 0).any()):

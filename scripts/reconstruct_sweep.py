@@ -15,7 +15,7 @@ import time
 from core.masks import load_masks
 from models.hf_io import load_hf, load_tokenizer
 from models.teacher import resolve_teacher
-from prune.reconstruct import CALIB, ReconstructConfig, fit_blocks, mlp_masks, reconstruct_mlp
+from prune.reconstruct import CALIB, ReconstructConfig, fit_blocks, part_masks, reconstruct_mlp
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--artifact", required=True)
@@ -38,7 +38,7 @@ for lr, epochs in runs:
     for b in blocks:
         mlp = copy.deepcopy(student.layers[b].feed_forward)
         t = time.perf_counter()
-        r = reconstruct_mlp(mlp, mlp_masks(masks, b), *io[b], ReconstructConfig(epochs=epochs, lr=lr), calib.seq_len)
+        r = reconstruct_mlp(mlp, part_masks(masks, b, "mlp"), *io[b], ReconstructConfig(epochs=epochs, lr=lr), calib.seq_len)
         res[f"lr{lr:g}-ep{epochs}/block{b}"] = {**r, "seconds": round(time.perf_counter() - t, 1)}
         print(lr, epochs, b, r["before"]["heldout"], "->", r["after"]["heldout"], file=sys.stderr, flush=True)
 with open(args.out, "w") as f:
