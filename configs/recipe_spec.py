@@ -136,6 +136,7 @@ class TrainStage(Stage):            # recover / mtp / qat (train.launch)
     global_batch: int | None = None
     seq_len: int | None = None
     dtype: str | None = None        # training.mixed_precision_param
+    lr: float | None = None         # the peak learning rate (the config's param group 0); None: the config's
     teacher_cache: str | None = None  # an earlier teacher_cache stage: its windows and top-k, no teacher forward
     source: str | None = None       # training text: an earlier self_text stage or a text source; None: data.train
     evaluate: bool = True
@@ -294,6 +295,10 @@ def _budget(recipe: Recipe, st: TrainStage, where: str, registry: dict) -> dict:
     # Only what differs from the config is passed: a recipe restating it runs scripts/recipe.sh's command.
     b["overrides"] = [x for k, flag in flags.items() if b[k] is not None and b[k] != reg.get(k)
                       for x in (flag, str(b[k]))]
+    if st.lr is not None:  # passed whenever set: the registry does not read a config's lr
+        if not st.lr > 0:
+            raise SmeltError(f"{where}.lr={st.lr!r} must be > 0")
+        b["overrides"] += ["--optimizer.param-groups.0.optimizer-kwargs.lr", repr(float(st.lr))]
     return b
 
 

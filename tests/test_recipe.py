@@ -58,6 +58,24 @@ def _check_memory(plan: dict, stages: list[str]) -> None:
         assert m["total"] == pytest.approx(sum(m[r] for r in ROWS), abs=0.05)
 
 
+def test_a_training_stages_lr_reaches_the_trainers_optimizer(capsys, tmp_path):
+    """lr is passed whenever set (the registry does not read a config's lr), and torchtitan's parse takes it."""
+    import shlex
+
+    from train.run import parse_config
+    smol = tmp_path / "smollm2-config"
+    smol.mkdir()
+    (smol / "config.json").write_text(json.dumps(config_to_hf(FLAVORS["smollm2-135m"])))
+    _, plan = _dry_run(capsys, RECIPES / "smollm2-cpu.toml", tmp_path, "--teacher-config", smol,
+                       "--set", f"run_dir={tmp_path}/run", "--set", "stages.qat.lr=2e-5")
+    stages = {s["name"]: s["commands"][0] for s in plan["stages"] if s["commands"]}
+    assert "optimizer-kwargs.lr" not in stages["quantize"] and stages["qat"].endswith(
+        " --optimizer.param-groups.0.optimizer-kwargs.lr 2e-05")
+    args = shlex.split(stages["qat"])
+    cfg = parse_config(args[args.index("--") + 1:])
+    assert cfg.optimizer.param_groups[0].optimizer_kwargs["lr"] == 2e-5
+
+
 def test_prune_refit_and_true_sequential_reach_their_commands(capsys, tmp_path):
     smol = tmp_path / "smollm2-config"
     smol.mkdir()
@@ -271,6 +289,7 @@ BAD = [
     (["--set", "stages.recover.input=/no/such/artifact"], "neither an earlier stage nor an existing"),
     (["--set", "stages.recover.config=smollm2_recoverr"], "not a config of train/config_registry.py"),
     (["--set", "stages.qat.steps=0"], "stages[6].steps=0 must be > 0"),
+    (["--set", "stages.recover.lr=0"], "stages[4].lr=0.0 must be > 0"),
     (["--set", "stages.recover.kind=distil"], "stages[4].kind 'distil' is not one of"),
     (["--set", "stages.nope.steps=1"], "no stage named 'nope'"),
     (["--set", "data.calibration=wikitext2-test"], "never be calibrated on"),
