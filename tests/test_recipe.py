@@ -67,7 +67,7 @@ def test_a_training_stages_lr_reaches_the_trainers_optimizer(capsys, tmp_path):
     smol.mkdir()
     (smol / "config.json").write_text(json.dumps(config_to_hf(FLAVORS["smollm2-135m"])))
     _, plan = _dry_run(capsys, RECIPES / "smollm2-cpu.toml", tmp_path, "--teacher-config", smol,
-                       "--set", f"run_dir={tmp_path}/run", "--set", "stages.qat.lr=2e-5")
+                       "--set", f"run_dir={tmp_path}/run", "--set", "stages.qat.lr=2e-5")  # the recipe's: 1.2e-4
     stages = {s["name"]: s["commands"][0] for s in plan["stages"] if s["commands"]}
     assert "optimizer-kwargs.lr" not in stages["quantize"] and stages["qat"].endswith(
         " --optimizer.param-groups.0.optimizer-kwargs.lr 2e-05")
@@ -126,7 +126,7 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
                      f"--out {run}/gptq-2of4")],
         "qat": [(f"{launch} --config smollm2_qat --student {run}/gptq-2of4 {t} --dump_folder "
                 f"{run}/qat-2of4-run --export_dir {run}/qat-2of4 --training.steps 24 "
-                f"--training.mixed_precision_param bfloat16")],
+                f"--training.mixed_precision_param bfloat16 --optimizer.param-groups.0.optimizer-kwargs.lr 0.00012")],
         "release": [(f"python -m qat.release --artifact {run}/qat-2of4 --out {run}/release --dtype bfloat16 "
                     f"--sparse-storage mask --metrics {run}/evals/qat-2of4.json")],
         "verify": [f"python -m qat.verify {run}/release",
@@ -154,8 +154,8 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
 
 def test_smollm2_mtp_recipe_is_the_default_chain_plus_its_mtp_stages(capsys, tmp_path):
     """smollm2-cpu-mtp.toml: every stage of the default recipe with the same command (its own run_dir; GPTQ
-    reads the artifact that carries the module; no refit and no reconstruction, as it was measured before the
-    default took them), and the four MTP stages on the texts their main models wrote."""
+    reads the artifact that carries the module; no refit, no reconstruction and QAT at its config's lr, as it was
+    measured before the default took them), and the four MTP stages on the texts their main models wrote."""
     smol = tmp_path / "smollm2-config"
     smol.mkdir()
     (smol / "config.json").write_text(json.dumps(config_to_hf(FLAVORS["smollm2-135m"])))
@@ -171,7 +171,8 @@ def test_smollm2_mtp_recipe_is_the_default_chain_plus_its_mtp_stages(capsys, tmp
     run = f"{tmp_path}/run"
     moved = {"recover": (f"--student {run}/reconstructed-2of4 ", f"--student {run}/pruned-2of4 "),
              "quantize": (f"--artifact {run}/recovered-2of4", f"--artifact {run}/mtp-2of4"),
-             "release": (f"--artifact {run}/qat-2of4 ", f"--artifact {run}/qat-2of4-mtp ")}
+             "release": (f"--artifact {run}/qat-2of4 ", f"--artifact {run}/qat-2of4-mtp "),
+             "qat": (" --optimizer.param-groups.0.optimizer-kwargs.lr 0.00012", "")}  # the config's lr there
     assert "reconstruct" in base and "reconstruct" not in stages
     for name, want in ((n, w) for n, w in base.items() if n != "reconstruct"):
         old, new = moved.get(name, ("", ""))
