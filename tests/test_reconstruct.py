@@ -135,6 +135,23 @@ def _block_io(model, tokens):
     return got
 
 
+def _stand_in_fit(teacher, student):
+    """A stand-in for a fit that records each block's (x, y): block 0's MLP becomes zero, which block 1's inputs must
+    show; reset() empties the record and gives block 0's MLP its perturbed start (half the teacher's down projection)."""
+    seen = {}
+
+    def fit(b, x, y):
+        seen[b] = (x, y)
+        if b == "0":
+            student.layers["0"].feed_forward.w2.weight.data.zero_()
+
+    def reset():
+        seen.clear()
+        student.layers["0"].feed_forward.w2.weight.data.copy_(teacher.layers["0"].feed_forward.w2.weight * 0.5)
+    fit.reset = reset
+    return seen, fit
+
+
 def test_teacher_inputs_pair_each_blocks_mlp_input_with_its_output():
     model = build_model(tiny_config(), seed=1).eval()
     tokens = torch.randint(3, 200, (3, 16))
@@ -156,13 +173,9 @@ def test_student_inputs_run_through_the_blocks_as_fitted_and_block_targets_compl
     tokens = torch.randint(3, 200, (3, 16))
     ref_t = _block_io(teacher, tokens)
 
-    def fit(b, x, y):  # stand-in for a fit: block 0's MLP becomes zero, which block 1's inputs must show
-        seen[b] = (x, y)
-        if b == "0":
-            student.layers["0"].feed_forward.w2.weight.data.zero_()
+    seen, fit = _stand_in_fit(teacher, student)
     for inputs in ("student", "block"):
-        student.layers["0"].feed_forward.w2.weight.data.copy_(teacher.layers["0"].feed_forward.w2.weight * 0.5)
-        seen = {}
+        fit.reset()
         fit_blocks(teacher, student, tokens, 2, ["0", "1"], inputs, fit)
         ref_s = _block_io(student, tokens)  # the student as fitted (block 0's MLP zero)
         for b in ("0", "1"):
@@ -184,13 +197,9 @@ def test_block_fits_get_the_block_inputs_and_the_teachers_block_outputs():
     tokens = torch.randint(3, 200, (3, 16))
     ref_t, d = _block_io(teacher, tokens), teacher.cfg.dim
 
-    def fit(b, x, y):  # stand-in for a fit: block 0's MLP becomes zero, which block 1's inputs must show
-        seen[b] = (x, y)
-        if b == "0":
-            student.layers["0"].feed_forward.w2.weight.data.zero_()
+    seen, fit = _stand_in_fit(teacher, student)
     for inputs in ("teacher", "block"):
-        student.layers["0"].feed_forward.w2.weight.data.copy_(teacher.layers["0"].feed_forward.w2.weight * 0.5)
-        seen = {}
+        fit.reset()
         fit_blocks(teacher, student, tokens, 2, ["0", "1"], inputs, fit, part="block")
         ref_s = _block_io(student, tokens)  # the student as fitted
         for b in ("0", "1"):
