@@ -141,6 +141,7 @@ REFIT_TARGETS = ("layer", "teacher")
 # each is prune.reconstruct's default; the recipe checks them before anything runs)
 RECONSTRUCT_INPUTS = ("teacher", "student", "block")
 RECONSTRUCT_FITS = ("mlp", "block")
+HESSIAN_DTYPES = ("float64", "float32", "bfloat16", "auto")
 
 
 def check_reconstruct(inputs: str, fit: str, prefix: str) -> None:
@@ -152,7 +153,6 @@ def check_reconstruct(inputs: str, fit: str, prefix: str) -> None:
     if fit == "block" and inputs == "student":  # the block's output is the target: that is inputs "block"
         raise SmeltError(f"{prefix}fit='block' fits the block's output: {prefix}inputs must be teacher or block, "
                          f"not student")
-HESSIAN_DTYPES = ("float64", "float32", "bfloat16", "auto")
 
 
 def add_precision_args(ap) -> None:

@@ -229,7 +229,7 @@ def fit_blocks(teacher: nn.Module, student: nn.Module, windows: torch.Tensor, ba
         if not todo:
             break
         if part == "block":
-            xs = h_s if h_s is not None else [h.clone() for h in h_t]
+            xs = h_s if h_s is not None else h_t  # h_t is rebound below, xs keeps the block's inputs
             h_t = [teacher.layers[key](h, cos, sin) for h in h_t]
             if key in todo:
                 todo.discard(key)
@@ -302,6 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(src if (src / "tokenizer.json").is_file() else resolve_teacher(args.teacher))
     report = {}
+    rope = (student.rope_cos[:calib.seq_len], student.rope_sin[:calib.seq_len])  # a block fit's positions
 
     def fit_one(b: str, x: torch.Tensor, y: torch.Tensor) -> None:
         if cfg.fit == "mlp":
@@ -313,7 +314,6 @@ def main(argv: list[str] | None = None) -> None:
               f"(train {r['before']['train']:.5f} -> {r['after']['train']:.5f}; epoch {r['epoch_kept']})",
               file=sys.stderr)
 
-    rope = (student.rope_cos[:calib.seq_len], student.rope_sin[:calib.seq_len])
     fit_blocks(teacher, student, calib.windows(tokenizer), calib.batch_size, blocks, cfg.inputs, fit_one, cfg.fit)
     del teacher
     for name, m in masks.items():  # the fit must not have revived a pruned weight
