@@ -19,25 +19,18 @@ held-out windows' NMSE was lowest, or its starting weights when none improved on
 `--fit block` trains every linear of the block instead, attention's too (kept weights only where masked), on the
 block's inputs (teacher's, or with --inputs block the pruned model's own) to output the teacher's block output:
 EBFT's whole-block fit. Otherwise attention stays as pruned (the default recipe keeps it dense).
-`reconstruct_mlp` and `reconstruct_block` are the maths; fit_blocks runs the blocks; main() the lifecycle: fit
-block by block, write the artifact with the source's masks and side files.
+The maths and the block runner are core.block_fit's (qat.reconstruct fits a quantized model the same way); main()
+is the lifecycle: fit block by block, write the artifact with the source's masks and side files.
 """
 from __future__ import annotations
 
-import math
 import shutil
-import sys
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-import torch
-from torch import nn
-from tqdm import tqdm
-
 from core.artifact import parent_record, write_manifest
-from core.calibrate import RECONSTRUCT_FITS, RECONSTRUCT_INPUTS, CalibConfig, check_reconstruct
+from core.block_fit import ReconstructConfig, add_fit_args, check_pair, fit_model, fit_settings, parse_blocks
 from core.device import default_device, peak_rss_gib
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_dir
@@ -45,241 +38,16 @@ from core.masks import MASKS_FILE, load_masks
 from models.hf_io import load_hf, load_tokenizer, save_hf
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 
-MLP_LINEARS = ("w1", "w2", "w3")  # gate, down, up (models.llama.FeedForward)
-# The calibration text by default: 64 x 512 windows of the training mix, 8 to a block forward (fit_blocks holds one
-# block's fp32 activations at a time: a few 64 x 512 x 576 tensors, 75 MB each, on SmolLM2)
-CALIB = CalibConfig(n_windows=64, seq_len=512, corpus="wikitext2-valid+code-train+zh-train", batch_size=8)
-
-
-def part_masks(masks: dict[str, torch.Tensor], block: str, fit: str) -> dict[str, torch.Tensor]:
-    """{linear name inside the fitted part: keep-mask} of one block's MLP (fit "mlp": "w1", ...) or of the whole
-    block (fit "block": "attention.wq", "feed_forward.w1", ...) from an artifact's masks; absent: dense."""
-    prefix = f"layers.{block}." + ("feed_forward." if fit == "mlp" else "")
-    return {k[len(prefix):]: m for k, m in masks.items() if k.startswith(prefix)}
-
-
-@dataclass(kw_only=True)
-class ReconstructConfig:
-    """Settings of the fit; each maps to the CLI flag of the same name."""
-
-    # lr and epochs from a sweep on blocks 0, 14 and 29 of SmolLM2's SparseGPT 2:4 (lr 3e-5 to 3e-3, 4 and 8
-    # epochs; results/bench/reconstruct/lr-sweep-*.json): held-out NMSE fell with lr up to 3e-3; there 8 epochs were
-    # 1-10% lower than 4, at twice the time
-    epochs: int = 4
-    lr: float = 3e-3             # AdamW, betas (0.9, 0.95), decayed linearly to 0 over the fit
-    batch_tokens: int = 512      # tokens per step: small batches, many steps (the calibration set is small)
-    holdout: float = 0.1         # share of the windows held out to choose the epoch
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    inputs: str = RECONSTRUCT_INPUTS[0]  # what each block is fitted on: teacher, student, block (fit_blocks)
-    fit: str = RECONSTRUCT_FITS[0]       # what is trained: mlp (its linears), block (every linear of the block)
-
-    def __post_init__(self):
-        for name, lo in (("epochs", 1), ("batch_tokens", 1), ("seed", 0)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-                raise SmeltError(f"--{name.replace('_', '-')}={v!r} must be an integer >= {lo}")
-        if not self.lr > 0:
-            raise SmeltError(f"--lr={self.lr} must be > 0")
-        if not 0 < self.holdout < 1:
-            raise SmeltError(f"--holdout={self.holdout} must be in (0, 1)")
-        check_reconstruct(self.inputs, self.fit, "--")
-        if self.weight_decay < 0 or not self.max_grad_norm > 0:
-            raise SmeltError(f"--weight-decay={self.weight_decay} must be >= 0 and --max-grad-norm="
-                             f"{self.max_grad_norm} > 0")
-
-
-@torch.no_grad()
-def fit_nmse(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, y: torch.Tensor, residual: bool = False,
-             batch: int = 4096, device: torch.device | None = None) -> float:
-    """‖f(x) − y‖² / ‖y‖², or with `residual` (f returns x plus what it adds) ‖f(x) − y‖² / ‖y − x‖², over the
-    first dimension of x and y in batches (fp32 sums), on `device` (default: f's if a module, else x's). A block's
-    stream dwarfs what the block adds: measured against the stream, any fit would look close."""
-    err = ref = 0.0
-    dev = device or (next(f.parameters()).device if isinstance(f, nn.Module) else x.device)
-    for s in range(0, x.shape[0], batch):
-        xb, yb = x[s:s + batch].to(dev).float(), y[s:s + batch].to(dev).float()
-        err += float((f(xb) - yb).pow(2).sum())
-        ref += float((yb - xb if residual else yb).pow(2).sum())
-    return err / ref
-
-
-def _split(n_windows: int, cfg: ReconstructConfig, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(held-out, training) window indices: a random `holdout` share of the windows, at least one."""
-    windows = torch.randperm(n_windows, generator=gen)
-    n_hold = max(1, round(n_windows * cfg.holdout)) if n_windows > 1 else 0
-    return windows[:n_hold], windows[n_hold:]
-
-
-def _fit(module: nn.Module, f: Callable[[torch.Tensor], torch.Tensor], masks: dict[str, torch.Tensor],
-         x: torch.Tensor, y: torch.Tensor, residual: bool, train: torch.Tensor, hold: torch.Tensor, batch: int,
-         eval_batch: int, cfg: ReconstructConfig, gen: torch.Generator) -> dict:
-    """Train every nn.Linear weight in `module` (the masked ones on their kept entries) so that f(x[i]) ≈ y[i],
-    `batch` indices of `train` a step (fit_nmse's `residual`); keep the epoch with the lowest held-out NMSE, or the
-    starting weights."""
-    linears = {n: m for n, m in module.named_modules() if isinstance(m, nn.Linear)}
-    if bad := sorted(set(masks) - set(linears)):
-        raise SmeltError(f"mask {bad[0]} names no linear of the fitted part")
-    for k, m in masks.items():
-        if m.shape != linears[k].weight.shape:
-            raise SmeltError(f"mask of {k} has shape {tuple(m.shape)}, the weight {tuple(linears[k].weight.shape)}")
-    params = [m.weight for m in linears.values()]
-    dev = params[0].device
-    keep = {k: m.to(dev) for k, m in masks.items()}
-
-    def nmse(idx: torch.Tensor) -> float:
-        return fit_nmse(f, x[idx], y[idx], residual, eval_batch, dev)
-
-    before = {"train": nmse(train), "heldout": nmse(hold)}
-    best, best_state, best_epoch = before["heldout"], [p.detach().clone() for p in params], 0
-    total = cfg.epochs * math.ceil(len(train) / batch)
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / total)
-    with torch.enable_grad():
-        for epoch in range(1, cfg.epochs + 1):
-            order = train[torch.randperm(len(train), generator=gen)]
-            for s in range(0, len(order), batch):
-                idx = order[s:s + batch]
-                xb, yb = x[idx].to(dev).float(), y[idx].to(dev).float()
-                loss = (f(xb) - yb).pow(2).sum() / (yb - xb if residual else yb).pow(2).sum()
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-                opt.step()
-                sched.step()
-                with torch.no_grad():
-                    for k, m in keep.items():  # a pruned weight stays exactly 0 (decay and Adam's moments aside)
-                        linears[k].weight.mul_(m)
-            held = nmse(hold)
-            if held < best:
-                best, best_state, best_epoch = held, [p.detach().clone() for p in params], epoch
-    with torch.no_grad():
-        for p, v in zip(params, best_state):
-            p.copy_(v)
-    return {"before": before, "after": {"train": nmse(train), "heldout": nmse(hold)}, "epoch_kept": best_epoch,
-            "steps": total}
-
-
-def reconstruct_mlp(mlp: nn.Module, masks: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
-                    cfg: ReconstructConfig, tokens_per_window: int | None = None) -> dict:
-    """Fit mlp's w1/w2/w3 kept weights (masks {"w1"|"w2"|"w3": bool keep}, absent: dense) to map x [N, d] onto
-    y [N, d], in place, `cfg.batch_tokens` rows a step. Rows are split into training and held-out windows of
-    `tokens_per_window` rows (one window's tokens stay together: neighbours are not independent); the weights
-    after the epoch with the lowest held-out NMSE are kept, or the starting ones. Returns the NMSE before and
-    after on both splits."""
-    gen = torch.Generator().manual_seed(cfg.seed)
-    n = x.shape[0]
-    per = tokens_per_window or n
-    if n % per:
-        raise SmeltError(f"{n} rows are not whole windows of {per} tokens")
-    hold_w, train_w = _split(n // per, cfg, gen)
-    if len(hold_w) == 0:  # one window: hold out its last tenth instead
-        cut = max(1, round(n * cfg.holdout))
-        hold, train = torch.arange(n - cut, n), torch.arange(n - cut)
-    else:
-        hold, train = ((w[:, None] * per + torch.arange(per)).reshape(-1) for w in (hold_w, train_w))
-    return _fit(mlp, mlp, masks, x, y, False, train, hold, cfg.batch_tokens, 4096, cfg, gen)
-
-
-def reconstruct_block(block: nn.Module, masks: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
-                      cos: torch.Tensor, sin: torch.Tensor, cfg: ReconstructConfig) -> dict:
-    """Fit every linear of a transformer block (masks {"attention.wq"|...|"feed_forward.w1"|...: bool keep}, absent:
-    dense) so that block(x) maps its inputs x [n, L, d] onto y [n, L, d], in place; whole windows (attention
-    mixes a window's tokens), cfg.batch_tokens // L of them a step. The loss is NMSE against what the block must
-    add (y − x). The norms stay: their gains are per-input-channel scales the kept weights already express.
-    Held-out windows, the epoch kept and the returned record as reconstruct_mlp's."""
-    if x.shape[0] < 2:
-        raise SmeltError(f"a block fit needs at least 2 windows (one held out), got {x.shape[0]}")
-    gen = torch.Generator().manual_seed(cfg.seed)
-    hold, train = _split(x.shape[0], cfg, gen)
-    per = x.shape[1]
-    return _fit(block, lambda h: block(h, cos, sin), masks, x, y, True, train, hold, max(1, cfg.batch_tokens // per),
-                max(1, 4096 // per), cfg, gen)
-
-
-@torch.no_grad()
-def fit_blocks(teacher: nn.Module, student: nn.Module, windows: torch.Tensor, batch_size: int, blocks: list[str],
-               inputs: str, fit: Callable[[str, torch.Tensor, torch.Tensor], None], part: str = "mlp") -> None:
-    """Run `windows` [n, L] through the teacher's blocks (and, unless inputs == "teacher", the student's) one block
-    at a time, and call fit(block, x, y) for each block in `blocks`, in layer order. With part "mlp", x and y are
-    [N, d] MLP inputs and targets:
-    - "teacher": x, y = the teacher's MLP inputs and outputs (the blocks are independent);
-    - "student": x = the student's MLP inputs through its blocks as fitted so far, y = the teacher's MLP outputs;
-    - "block":   x as "student", y = what the MLP must add for the block to output the teacher's block output
-      (EBFT's target with the MLP as the trained part: it also corrects what earlier blocks left).
-    With part "block", x and y are [n, L, d] block inputs (the teacher's, or with "block" the student's own) and
-    the teacher's block outputs ("student" would be "block" again: refused).
-    After fit, the student's stream continues through the block as fitted; blocks after the last one in `blocks` are
-    not run. One block's activations are held at a time (fp32, on the model's device, where x and y stay too)."""
-    check_reconstruct(inputs, part, "--")
-    dev = teacher.tok_embeddings.weight.device
-    seq_len, d = windows.shape[1], teacher.cfg.dim
-    cos, sin = teacher.rope_cos[:seq_len], teacher.rope_sin[:seq_len]
-    batches = list(windows.split(batch_size))
-    h_t = [teacher.tok_embeddings(b.to(dev)).float() for b in batches]
-    h_s = [student.tok_embeddings(b.to(dev)).float() for b in batches] if inputs != "teacher" else None
-
-    def attend(block: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mid = h + block.attention(block.attention_norm(h), cos, sin)  # the residual after attention
-        return mid, block.ffn_norm(mid)                                 # and the MLP's input
-
-    todo = set(blocks)
-    for key in tqdm(list(student.layers), desc=f"{part} reconstruction ({inputs} inputs)", file=sys.stderr):
-        if not todo:
-            break
-        if part == "block":
-            xs = h_s if h_s is not None else h_t  # h_t is rebound below, xs keeps the block's inputs
-            h_t = [teacher.layers[key](h, cos, sin) for h in h_t]
-            if key in todo:
-                todo.discard(key)
-                fit(key, torch.cat(xs), torch.cat(h_t))
-            if h_s is not None:
-                h_s = [student.layers[key](h, cos, sin) for h in h_s]
-            continue
-        xs, ys, mids = [], [], []
-        for i in range(len(batches)):
-            mid_t, x_t = attend(teacher.layers[key], h_t[i])
-            y_t = teacher.layers[key].feed_forward(x_t)
-            h_t[i] = mid_t + y_t
-            if h_s is None:
-                xs.append(x_t)
-                ys.append(y_t)
-                continue
-            mid_s, x_s = attend(student.layers[key], h_s[i])
-            xs.append(x_s)
-            ys.append(y_t if inputs == "student" else h_t[i] - mid_s)
-            mids.append(mid_s)
-        if key in todo:
-            todo.discard(key)
-            fit(key, torch.cat(xs).reshape(-1, d), torch.cat(ys).reshape(-1, d))
-        if h_s is not None:
-            for i in range(len(batches)):
-                h_s[i] = mids[i] + student.layers[key].feed_forward(xs[i])
-
-
-def _parse_args(argv):
-    ap = ArgumentParser(prog="python -m prune.reconstruct", description=__doc__.split("\n")[0])
-    ap.add_argument("--artifact", required=True, help="a pruned artifact (prune.run): HF directory + masks")
-    ap.add_argument("--teacher", default=DEFAULT_TEACHER, help="the dense model whose MLPs are matched")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--overwrite", action="store_true")
-    ap.add_argument("--blocks", default="", help="comma-separated block indices (default: every block)")
-    ap.add_argument("--calib-windows", type=int, default=CALIB.n_windows)
-    ap.add_argument("--calib-seq-len", type=int, default=CALIB.seq_len)
-    ap.add_argument("--calib-corpus", default=CALIB.corpus)
-    ap.add_argument("--calib-seed", type=int, default=CALIB.seed)
-    ap.add_argument("--capture-batch", type=int, default=CALIB.batch_size, help="windows per block forward")
-    for f in ReconstructConfig.__dataclass_fields__.values():
-        ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
-    return ap.parse_args(argv)
-
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parse_args(argv)
-    cfg = ReconstructConfig(**{k: getattr(args, k) for k in ReconstructConfig.__dataclass_fields__})
-    calib = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, seed=args.calib_seed,
-                        corpus=args.calib_corpus, batch_size=args.capture_batch)
+    ap = ArgumentParser(prog="python -m prune.reconstruct", description=__doc__.split("\n")[0])
+    ap.add_argument("--artifact", required=True, help="a pruned artifact (prune.run): HF directory + masks")
+    ap.add_argument("--teacher", default=DEFAULT_TEACHER, help="the dense model whose blocks are matched")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--overwrite", action="store_true")
+    add_fit_args(ap, ReconstructConfig)
+    args = ap.parse_args(argv)
+    cfg, calib = fit_settings(args, ReconstructConfig)
     src, out = Path(args.artifact), Path(args.out)
     if out.exists() and not args.overwrite:
         raise SmeltError(f"output directory {out} already exists (pass --overwrite to replace it)")
@@ -291,30 +59,11 @@ def main(argv: list[str] | None = None) -> None:
     device = default_device()
     student = load_hf(src, device=str(device))
     teacher = load_hf(resolve_teacher(args.teacher), device=str(device)).eval()
-    if teacher.cfg.dim != student.cfg.dim or list(teacher.layers) != list(student.layers):
-        raise SmeltError(f"--teacher {args.teacher} has other blocks than {src} (depth removal: reconstruct before it)")
-    try:
-        blocks = [str(int(b)) for b in args.blocks.split(",") if b.strip()] or list(student.layers)
-    except ValueError:
-        raise SmeltError(f"--blocks {args.blocks!r} is not a comma-separated list of block indices") from None
-    if bad := [b for b in blocks if b not in student.layers]:
-        raise SmeltError(f"--blocks: {bad[0]} is not a block of {src} (0..{len(student.layers) - 1})")
+    check_pair(teacher, student, args.teacher, src)
+    blocks = parse_blocks(args.blocks, student, src)
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(src if (src / "tokenizer.json").is_file() else resolve_teacher(args.teacher))
-    report = {}
-    rope = (student.rope_cos[:calib.seq_len], student.rope_sin[:calib.seq_len])  # a block fit's positions
-
-    def fit_one(b: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        if cfg.fit == "mlp":
-            r = reconstruct_mlp(student.layers[b].feed_forward, part_masks(masks, b, "mlp"), x, y, cfg, calib.seq_len)
-        else:
-            r = reconstruct_block(student.layers[b], part_masks(masks, b, "block"), x, y, *rope, cfg)
-        report[b] = r
-        print(f"block {b}: NMSE held out {r['before']['heldout']:.5f} -> {r['after']['heldout']:.5f} "
-              f"(train {r['before']['train']:.5f} -> {r['after']['train']:.5f}; epoch {r['epoch_kept']})",
-              file=sys.stderr)
-
-    fit_blocks(teacher, student, calib.windows(tokenizer), calib.batch_size, blocks, cfg.inputs, fit_one, cfg.fit)
+    report = fit_model(teacher, student, masks, calib.windows(tokenizer), calib, cfg, blocks)
     del teacher
     for name, m in masks.items():  # the fit must not have revived a pruned weight
         if bool((student.get_submodule(name).weight.detach().cpu()[~m.cpu()] != 0).any()):

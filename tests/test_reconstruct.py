@@ -1,4 +1,5 @@
-"""prune.reconstruct: whole-MLP fits on kept weights, the held-out guard, and the CLI on a tiny pruned artifact."""
+"""core.block_fit and prune.reconstruct: whole-MLP and block fits on kept weights, the held-out guard, and the CLI on
+a tiny pruned artifact."""
 from __future__ import annotations
 
 import json
@@ -9,20 +10,20 @@ from conftest import tiny_config
 from test_recipe import _cli as _recipe_cli
 from test_recipe import _run as _recipe
 
+from core.block_fit import (
+    ReconstructConfig,
+    fit_blocks,
+    fit_nmse,
+    part_masks,
+    reconstruct_block,
+    reconstruct_mlp,
+)
 from core.errors import SmeltError, run_cli
 from core.masks import load_masks
 from core.patterns import NMPattern
 from models.hf_io import load_hf
 from models.llama import FeedForward, TransformerBlock, build_model
-from prune.reconstruct import (
-    ReconstructConfig,
-    fit_blocks,
-    fit_nmse,
-    main,
-    part_masks,
-    reconstruct_block,
-    reconstruct_mlp,
-)
+from prune.reconstruct import main
 
 
 def _pair(seed: int = 0, d: int = 32, hidden: int = 64):
