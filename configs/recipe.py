@@ -83,8 +83,10 @@ def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
                  *_opt("--calib-seq-len", st.calib_seq_len), *_opt("--calib-forward", st.calib_forward),
                  *_opt("--calib-hessian", st.calib_hessian), *_opt("--calib-true-sequential", st.calib_true_sequential),
                  *_opt("--calib-corpus", calib), *_opt("--refit", st.refit), "--out", st.dst]]
-    if st.kind == "reconstruct":
-        return [[PY, "-m", "prune.reconstruct", "--artifact", st.src, "--teacher", t, *_opt("--lr", st.lr),
+    if st.kind in ("reconstruct", "qreconstruct"):
+        module = "prune.reconstruct" if st.kind == "reconstruct" else "qat.reconstruct"
+        return [[PY, "-m", module, "--artifact", st.src, "--teacher", t, *_opt("--lr", st.lr),
+                 *_opt("--scale-lr", getattr(st, "scale_lr", None)),
                  *_opt("--epochs", st.epochs), *_opt("--inputs", st.inputs), *_opt("--fit", st.fit),
                  *_opt("--calib-windows", st.calib_windows), *_opt("--calib-seq-len", st.calib_seq_len),
                  *_opt("--calib-corpus", calib), "--out", st.dst]]

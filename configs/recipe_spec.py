@@ -27,10 +27,13 @@ from core.errors import SmeltError
 from core.patterns import NMPattern
 from core.text_source import SELF_TEXT_FILE, TextSourceConfig
 
-KINDS = ("teacher", "heads", "prune", "reconstruct", "teacher_cache", "recover", "self_text", "mtp", "ptq", "qat",
+KINDS = ("teacher", "heads", "prune", "reconstruct", "teacher_cache", "recover", "self_text", "mtp", "ptq", "qreconstruct",
+         "qat",
          "release", "verify", "report", "evaluate")
 TRAINING = ("recover", "mtp", "qat")
-MODELS = ("prune", "reconstruct", "recover", "mtp", "ptq", "qat")  # write an HF artifact, evaluated against the teacher
+MODELS = ("prune", "reconstruct", "recover", "mtp", "ptq", "qreconstruct", "qat")  # write an HF artifact, evaluated
+# against the teacher
+QUANTIZED = ("ptq", "qreconstruct", "qat")  # write a quantized artifact (qparams): what a qreconstruct stage reads
 NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a stage name is a Slurm job name and a file name
 PY = "python"  # sys.executable in the commands (printed as `python`)
 
@@ -100,6 +103,11 @@ class ReconstructStage(Stage):      # prune.reconstruct: each block's MLP fitted
     calib_windows: int | None = None
     calib_seq_len: int | None = None
     evaluate: bool = True
+
+
+@dataclass
+class QuantReconstructStage(ReconstructStage):  # qat.reconstruct: a quantized artifact's blocks fitted on their grid
+    scale_lr: float | None = None   # the learned scales' lr; None here and in the fields above: qat.reconstruct's
 
 
 @dataclass
@@ -176,6 +184,7 @@ class InputStage(Stage):            # verify (qat.verify of a release), evaluate
 
 
 TYPES = {"teacher": TeacherStage, "heads": HeadsStage, "prune": PruneStage, "reconstruct": ReconstructStage,
+         "qreconstruct": QuantReconstructStage,
          "teacher_cache": TeacherCacheStage,
          "recover": TrainStage, "self_text": SelfTextStage,
          "mtp": TrainStage, "qat": TrainStage, "ptq": PtqStage, "release": ReleaseStage, "verify": InputStage,
@@ -434,8 +443,11 @@ def check(recipe: Recipe, registry: dict) -> None:
         if isinstance(st, ReconstructStage) and ((st.lr is not None and not st.lr > 0)
                                                  or (st.epochs is not None and st.epochs < 1)):
             raise SmeltError(f"{where}: lr > 0 and epochs >= 1 are required (got {st.lr}, {st.epochs})")
-        if isinstance(st, ReconstructStage):
-            check_reconstruct(st.inputs or RECONSTRUCT_INPUTS[0], st.fit or RECONSTRUCT_FITS[0], f"{where}.")
+        if isinstance(st, QuantReconstructStage) and st.scale_lr is not None and not st.scale_lr > 0:
+            raise SmeltError(f"{where}.scale_lr={st.scale_lr} must be > 0")
+        if isinstance(st, ReconstructStage):  # qat.reconstruct fits on the quantized model's own stream by default
+            default = "block" if isinstance(st, QuantReconstructStage) else RECONSTRUCT_INPUTS[0]
+            check_reconstruct(st.inputs or default, st.fit or RECONSTRUCT_FITS[0], f"{where}.")
         if isinstance(st, PruneStage) and st.refit == "none":  # TOML has no null: how --set turns a file's refit off
             st.refit = None
         if isinstance(st, PruneStage) and st.refit not in (None, *REFIT_TARGETS):
@@ -460,6 +472,8 @@ def check(recipe: Recipe, registry: dict) -> None:
             st.dst = recipe.evals(st.name)
         elif st.kind == "ptq":  # quantizes the teacher itself when nothing came before
             st.src = _input(st, where, outputs, last["model"] or "teacher", (*MODELS, "teacher"))
+        elif st.kind == "qreconstruct":
+            st.src = _input(st, where, outputs, last["model"], QUANTIZED)
         elif hasattr(st, "input"):
             st.src = _input(st, where, outputs, last["model"], MODELS)
         if isinstance(st, TeacherCacheStage):
@@ -482,7 +496,7 @@ def check(recipe: Recipe, registry: dict) -> None:
             st.budget = _budget(recipe, st, where, registry)
             if st.teacher_cache is not None:
                 _check_cache_reader(recipe, st, where, outputs)
-        if st.kind in ("reconstruct", "recover", "mtp", "ptq", "qat"):
+        if st.kind in ("reconstruct", "recover", "mtp", "ptq", "qreconstruct", "qat"):
             _carry_mtp(st, where, registry, modules)
         if isinstance(st, ReleaseStage) and st.metrics:
             parent = next((s for s in recipe.stages[:i] if s.dst == metrics_source(recipe, st, i)), None)

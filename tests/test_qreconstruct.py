@@ -134,3 +134,36 @@ def test_cli_refuses_an_artifact_without_qparams_in_one_line_and_writes_nothing(
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
     assert len(lines) == 1 and f"has no {QPARAMS_FILE} (not a quantized artifact)" in lines[0], lines
     assert not (tmp_path / "r").exists()
+
+
+def test_a_qreconstruct_stage_fits_the_ptq_artifact_and_refuses_bad_settings(capfd, tmp_path, tiny_model_dir):
+    """kind = "qreconstruct" after a ptq stage: qat.reconstruct on its artifact, into its own; it reads quantized
+    artifacts only; bad settings are one-line errors before anything runs."""
+    from test_recipe import _cli as _recipe_cli
+    from test_recipe import _run as _recipe
+
+    run = tmp_path / "run"
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'name = "r"\nteacher = "{tiny_model_dir}"\nrun_dir = "{run}"\n[data]\n'
+                      'calibration = "wikitext2-valid"\n[[stages]]\nkind = "prune"\nmethod = "magnitude"\n'
+                      'pattern = "2:4"\nevaluate = false\n[[stages]]\nkind = "ptq"\nmethod = "rtn"\ngroup_size = 16\n'
+                      'evaluate = false\n[[stages]]\nkind = "qreconstruct"\nepochs = 1\nscale_lr = 1e-3\n'
+                      'calib_windows = 2\ncalib_seq_len = 32\nevaluate = false\n')
+    assert _recipe(recipe, "--stage", "prune") == 0, capfd.readouterr().err[-2000:]
+    assert _recipe(recipe, "--stage", "ptq") == 0, capfd.readouterr().err[-2000:]
+    code = _recipe(recipe, "--stage", "qreconstruct")
+    out = capfd.readouterr()
+    assert code == 0, out.err[-2000:]
+    assert (f"qat.reconstruct --artifact {run}/ptq --teacher {tiny_model_dir} --scale-lr 0.001 --epochs 1 "
+            f"--calib-windows 2 --calib-seq-len 32 --calib-corpus wikitext2-valid --out {run}/qreconstruct") in out.out
+    manifest = json.loads((run / "qreconstruct" / "manifest.json").read_text())
+    assert manifest["stage"] == "qreconstruct" and manifest["parent"]["path"] == str(run / "ptq")
+    assert len(manifest["metrics"]["per_block"]) == 2 and manifest["settings"]["scale_lr"] == 1e-3
+    code, _, err = _recipe_cli(capfd, recipe, "--dry-run", "--set", "stages.qreconstruct.scale_lr=0")
+    assert code == 2 and err.strip().endswith("stages[2].scale_lr=0.0 must be > 0"), err
+    code, _, err = _recipe_cli(capfd, recipe, "--dry-run", "--set", "stages.qreconstruct.fit=block",
+                               "--set", "stages.qreconstruct.inputs=student")
+    assert code == 2 and "stages[2].fit='block' fits the block's output" in err.strip().splitlines()[-1], err
+    code, _, err = _recipe_cli(capfd, recipe, "--dry-run", "--set", "stages.qreconstruct.input=prune")
+    assert code == 2 and err.strip().endswith("stages[2].input 'prune' is a prune stage; a qreconstruct stage reads "
+                                              "ptq or qreconstruct or qat output"), err
