@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main recipe on its default: the real teacher (SmolLM2-135M-Instruct), a CPU-sized budget.
 #
-#   teacher -> SparseGPT 2:4 -> MLP reconstruction -> KD recovery -> GPTQ W4 g64 (2:4 kept) -> QAT + KD -> release -> verify
+#   teacher -> SparseGPT 2:4 -> MLP reconstruction -> KD recovery -> GPTQ W4 g64 (2:4 kept)
+#     -> quantized MLP reconstruction -> QAT + KD -> release -> verify
 #
 # The chain is configs/recipes/smollm2-cpu.toml, run by `python -m configs.recipe` (its --dry-run prints
 # the plan: stages, commands, tokens, memory per rank). Every stage reads the previous stage's artifact

@@ -125,7 +125,8 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
         "quantize": [(f"python -m qat.ptq {t} --artifact {run}/recovered-2of4 --method gptq --act-order "
                      f"--group-size 64 --calib-windows 32 --calib-forward auto --calib-hessian auto --calib-corpus {MIX} "
                      f"--out {run}/gptq-2of4")],
-        "qat": [(f"{launch} --config smollm2_qat --student {run}/gptq-2of4 {t} --dump_folder "
+        "qreconstruct": [f"python -m qat.reconstruct --artifact {run}/gptq-2of4 {t} --calib-corpus {MIX} --out {run}/gptq-2of4-fit"],
+        "qat": [(f"{launch} --config smollm2_qat --student {run}/gptq-2of4-fit {t} --dump_folder "
                 f"{run}/qat-2of4-run --export_dir {run}/qat-2of4 --training.steps 24 "
                 f"--training.mixed_precision_param bfloat16 --optimizer.param-groups.0.optimizer-kwargs.lr 0.00012")],
         "release": [(f"python -m qat.release --artifact {run}/qat-2of4 --out {run}/release --dtype bfloat16 "
@@ -135,8 +136,8 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
         "report": [f"python -m eval.report --run {run}"],
     }
     stages = {s["name"]: s for s in plan["stages"]}
-    assert list(stages) == ["teacher", "heads", "prune", "reconstruct", "recover", "quantize", "qat", "release",
-                            "verify", "report"]
+    assert list(stages) == ["teacher", "heads", "prune", "reconstruct", "recover", "quantize", "qreconstruct", "qat",
+                            "release", "verify", "report"]
     assert stages["teacher"]["commands"] == [f"python -m models.teacher {t}", "python -m core.fetched_corpora zh-train en-news"]
     windows = " --seq-len 512 --windows en=16,zh=8,code=8,news=16 --batch-size 4 --needle-dtype bfloat16"
     assert stages["teacher"]["evaluation"].endswith(f"--out {run}/evals/teacher.json --wandb --needle{windows}")
@@ -144,7 +145,7 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
     for name, cmds in expected.items():
         assert stages[name]["commands"] == cmds, name
     for name, art in (("prune", "pruned-2of4"), ("reconstruct", "reconstructed-2of4"), ("recover", "recovered-2of4"),
-                      ("quantize", "gptq-2of4"), ("qat", "qat-2of4")):
+                      ("quantize", "gptq-2of4"), ("qreconstruct", "gptq-2of4-fit"), ("qat", "qat-2of4")):
         assert stages[name]["evaluation"] == (f"python -m eval.evaluate {t} --model {run}/{art} "
                                               f"--out {run}/evals/{art}.json --wandb"
                                               + " --needle" * (name == "qat") + windows)
@@ -217,8 +218,8 @@ def test_parameter_count_matches_the_model(tmp_path, flavor):
 def test_list_stages(capsys):
     code, out, _ = _cli(capsys, RECIPES / "smollm2-cpu.toml", "--list-stages")
     assert code == 0
-    assert out.splitlines() == ["teacher", "heads", "prune", "reconstruct", "recover", "quantize", "qat", "release",
-                                "verify", "report"]
+    assert out.splitlines() == ["teacher", "heads", "prune", "reconstruct", "recover", "quantize", "qreconstruct", "qat",
+                                "release", "verify", "report"]
 
 
 BAD = [

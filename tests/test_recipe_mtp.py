@@ -30,14 +30,18 @@ def test_smollm2_mtp_recipe_is_the_default_chain_plus_its_mtp_stages(capsys, tmp
     assert list(stages) == ["teacher", "heads", "prune", "recover", "self-text", "mtp", "quantize", "qat",
                             "qat-text", "realign", "release", "verify", "report"]
     run = f"{tmp_path}/run"
-    moved = {"recover": (f"--student {run}/reconstructed-2of4 ", f"--student {run}/pruned-2of4 "),
-             "quantize": (f"--artifact {run}/recovered-2of4", f"--artifact {run}/mtp-2of4"),
-             "release": (f"--artifact {run}/qat-2of4 ", f"--artifact {run}/qat-2of4-mtp "),
-             "qat": (" --optimizer.param-groups.0.optimizer-kwargs.lr 0.00012", "")}  # the config's lr there
-    assert "reconstruct" in base and "reconstruct" not in stages
-    for name, want in ((n, w) for n, w in base.items() if n != "reconstruct"):
-        old, new = moved.get(name, ("", ""))
-        assert [c.replace(old, new) for c in want["commands"]] == stages[name]["commands"], name
+    moved = {"recover": [(f"--student {run}/reconstructed-2of4 ", f"--student {run}/pruned-2of4 ")],
+             "quantize": [(f"--artifact {run}/recovered-2of4", f"--artifact {run}/mtp-2of4")],
+             "release": [(f"--artifact {run}/qat-2of4 ", f"--artifact {run}/qat-2of4-mtp ")],
+             "qat": [(f"--student {run}/gptq-2of4-fit ", f"--student {run}/gptq-2of4 "),
+                     (" --optimizer.param-groups.0.optimizer-kwargs.lr 0.00012", "")]}  # the config's lr there
+    unmeasured = ("reconstruct", "qreconstruct")  # the MTP chain keeps what it was measured with
+    assert all(n in base and n not in stages for n in unmeasured)
+    for name, want in ((n, w) for n, w in base.items() if n not in unmeasured):
+        cmds = want["commands"]
+        for old, new in moved.get(name, []):
+            cmds = [c.replace(old, new) for c in cmds]
+        assert cmds == stages[name]["commands"], name
         assert want["evaluation"] == stages[name]["evaluation"], name
     assert stages["self-text"]["tokens"] == 1280 * 128 and stages["qat-text"]["tokens"] == 1280 * 128
     assert "--prompt-len 128 " in stages["self-text"]["commands"][0] and "--seed 2 " in stages["qat-text"]["commands"][0]
