@@ -10,16 +10,18 @@ each one's inputs and targets over, `fit_model` ties them for a stage's main().
 from __future__ import annotations
 
 import math
+import shutil
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
 from core.calibrate import RECONSTRUCT_FITS, RECONSTRUCT_INPUTS, CalibConfig, check_reconstruct
-from core.errors import SmeltError
+from core.errors import ArgumentParser, SmeltError
 
 # The calibration text by default: 64 x 512 windows of the training mix, 8 to a block forward (fit_blocks holds one
 # block's fp32 activations at a time: a few 64 x 512 x 576 tensors, 75 MB each, on SmolLM2)
@@ -240,6 +242,41 @@ def fit_blocks(teacher: nn.Module, student: nn.Module, windows: torch.Tensor, ba
                 h_s[i] = mids[i] + student.layers[key].feed_forward(xs[i])
 
 
+def fit_parser(prog: str, description: str, artifact_help: str, teacher: str,
+               config: type[ReconstructConfig]) -> ArgumentParser:
+    """A fitting stage's CLI: --artifact, --teacher (default `teacher`), --out, --overwrite and add_fit_args'."""
+    ap = ArgumentParser(prog=prog, description=description)
+    ap.add_argument("--artifact", required=True, help=artifact_help)
+    ap.add_argument("--teacher", default=teacher, help="the dense model whose blocks are matched")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--overwrite", action="store_true")
+    add_fit_args(ap, config)
+    return ap
+
+
+def check_paths(src: Path, out: Path, overwrite: bool) -> None:
+    """--out must not exist (unless --overwrite) and must not be the --artifact."""
+    if out.exists() and not overwrite:
+        raise SmeltError(f"output directory {out} already exists (pass --overwrite to replace it)")
+    if out.resolve() == src.resolve():
+        raise SmeltError(f"--out {out} is the --artifact itself")
+
+
+def check_masks_kept(student: nn.Module, masks: dict[str, torch.Tensor]) -> None:
+    """The fit must not have revived a pruned weight (a bug if it did)."""
+    for name, m in masks.items():
+        if bool((student.get_submodule(name).weight.detach().cpu()[~m.cpu()] != 0).any()):
+            raise SmeltError(f"{name}: a pruned weight is non-zero after the fit (a bug)")
+
+
+def copy_side_files(src: Path, dst: Path, rewritten: tuple[str, ...]) -> None:
+    """Every file of the source artifact (masks, tokenizer, chat template, MTP modules) but the weights, config,
+    record and the `rewritten` ones, into the artifact being written."""
+    for f in src.iterdir():
+        if f.is_file() and f.name not in ("model.safetensors", "config.json", "manifest.json", *rewritten):
+            shutil.copy2(f, dst / f.name)
+
+
 def add_fit_args(ap, config: type[ReconstructConfig]) -> None:
     """A stage's flags: --blocks, the calibration text's (CALIB's defaults), and one per `config` field."""
     ap.add_argument("--blocks", default="", help="comma-separated block indices (default: every block)")
@@ -296,3 +333,10 @@ def fit_model(teacher: nn.Module, student: nn.Module, masks: dict[str, torch.Ten
 
     fit_blocks(teacher, student, windows, calib.batch_size, blocks, cfg.inputs, fit_one, cfg.fit)
     return report
+
+
+def fit_record(cfg: ReconstructConfig, calib: CalibConfig, device, blocks: list[str], teacher: str, report: dict,
+               seconds: float, peak_rss_gib: float) -> tuple[dict, dict]:
+    """(settings, metrics) of a fitting stage's manifest."""
+    return ({**asdict(cfg), "blocks": blocks, "teacher": teacher, "calibration": calib.record(device)},
+            {"per_block": report, "seconds": round(seconds, 1), "peak_rss_gib": round(peak_rss_gib, 3)})

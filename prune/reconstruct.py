@@ -24,15 +24,13 @@ is the lifecycle: fit block by block, write the artifact with the source's masks
 """
 from __future__ import annotations
 
-import shutil
 import time
-from dataclasses import asdict
 from pathlib import Path
 
+from core import block_fit
 from core.artifact import parent_record, write_manifest
-from core.block_fit import ReconstructConfig, add_fit_args, check_pair, fit_model, fit_settings, parse_blocks
 from core.device import default_device, peak_rss_gib
-from core.errors import ArgumentParser, SmeltError, run_cli
+from core.errors import SmeltError, run_cli
 from core.files import atomic_dir
 from core.masks import MASKS_FILE, load_masks
 from models.hf_io import load_hf, load_tokenizer, save_hf
@@ -40,45 +38,32 @@ from models.teacher import DEFAULT_TEACHER, resolve_teacher
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = ArgumentParser(prog="python -m prune.reconstruct", description=__doc__.split("\n")[0])
-    ap.add_argument("--artifact", required=True, help="a pruned artifact (prune.run): HF directory + masks")
-    ap.add_argument("--teacher", default=DEFAULT_TEACHER, help="the dense model whose blocks are matched")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--overwrite", action="store_true")
-    add_fit_args(ap, ReconstructConfig)
+    ap = block_fit.fit_parser("python -m prune.reconstruct", __doc__.split("\n")[0],
+                              "a pruned artifact (prune.run): HF directory + masks", DEFAULT_TEACHER,
+                              block_fit.ReconstructConfig)
     args = ap.parse_args(argv)
-    cfg, calib = fit_settings(args, ReconstructConfig)
+    cfg, calib = block_fit.fit_settings(args, block_fit.ReconstructConfig)
     src, out = Path(args.artifact), Path(args.out)
-    if out.exists() and not args.overwrite:
-        raise SmeltError(f"output directory {out} already exists (pass --overwrite to replace it)")
-    if out.resolve() == src.resolve():
-        raise SmeltError(f"--out {out} is the --artifact itself")
+    block_fit.check_paths(src, out, args.overwrite)
     masks = load_masks(src)
     if not masks:
         raise SmeltError(f"--artifact {src} has no {MASKS_FILE} (not a pruned artifact)")
     device = default_device()
     student = load_hf(src, device=str(device))
     teacher = load_hf(resolve_teacher(args.teacher), device=str(device)).eval()
-    check_pair(teacher, student, args.teacher, src)
-    blocks = parse_blocks(args.blocks, student, src)
+    block_fit.check_pair(teacher, student, args.teacher, src)
+    blocks = block_fit.parse_blocks(args.blocks, student, src)
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(src if (src / "tokenizer.json").is_file() else resolve_teacher(args.teacher))
-    report = fit_model(teacher, student, masks, calib.windows(tokenizer), calib, cfg, blocks)
+    report = block_fit.fit_model(teacher, student, masks, calib.windows(tokenizer), calib, cfg, blocks)
     del teacher
-    for name, m in masks.items():  # the fit must not have revived a pruned weight
-        if bool((student.get_submodule(name).weight.detach().cpu()[~m.cpu()] != 0).any()):
-            raise SmeltError(f"{name}: a pruned weight is non-zero after the fit (a bug)")
+    block_fit.check_masks_kept(student, masks)
     with atomic_dir(out, overwrite=args.overwrite) as tmp:
-        for f in src.iterdir():  # masks, tokenizer, chat template: everything but the weights and the record
-            if f.is_file() and f.name not in ("model.safetensors", "config.json", "manifest.json"):
-                shutil.copy2(f, tmp / f.name)
+        block_fit.copy_side_files(src, tmp, ())
         save_hf(student, tmp)
-        write_manifest(tmp, stage="reconstruct",
-                       settings={**asdict(cfg), "blocks": blocks, "teacher": args.teacher,
-                                 "calibration": calib.record(device)},
-                       metrics={"per_block": report, "seconds": round(time.perf_counter() - t0, 1),
-                                "peak_rss_gib": round(peak_rss_gib(), 3)},
-                       parent=parent_record(src))
+        settings, metrics = block_fit.fit_record(cfg, calib, device, blocks, args.teacher, report,
+                                                 time.perf_counter() - t0, peak_rss_gib())
+        write_manifest(tmp, stage="reconstruct", settings=settings, metrics=metrics, parent=parent_record(src))
     print(out)
 
 

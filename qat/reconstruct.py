@@ -19,18 +19,17 @@ keep their codes and scales exactly.
 """
 from __future__ import annotations
 
-import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from core import block_fit
 from core.artifact import parent_record, write_manifest
-from core.block_fit import ReconstructConfig, add_fit_args, check_pair, fit_model, fit_settings, parse_blocks
 from core.device import default_device, peak_rss_gib
-from core.errors import ArgumentParser, SmeltError, run_cli
+from core.errors import SmeltError, run_cli
 from core.files import atomic_dir
 from core.masks import load_masks
 from models.hf_io import load_hf, load_tokenizer, save_hf
@@ -41,7 +40,7 @@ from qat.quantizers import dequantize
 
 
 @dataclass(kw_only=True)
-class QuantReconstructConfig(ReconstructConfig):
+class QuantReconstructConfig(block_fit.ReconstructConfig):
     """prune.reconstruct's settings, with what changes when the weights are on a 4-bit grid."""
 
     # lr (the latent weights', prune.reconstruct's 3e-3) and scale_lr from a sweep on blocks 0, 14 and 29 of the
@@ -99,46 +98,34 @@ def from_fake_quant(model: nn.Module, originals: dict[str, nn.Linear]) -> dict[s
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = ArgumentParser(prog="python -m qat.reconstruct", description=__doc__.split("\n")[0])
-    ap.add_argument("--artifact", required=True, help="a quantized artifact (qat.ptq): HF directory + qparams")
-    ap.add_argument("--teacher", default=DEFAULT_TEACHER, help="the dense model whose blocks are matched")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--overwrite", action="store_true")
-    add_fit_args(ap, QuantReconstructConfig)
+    ap = block_fit.fit_parser("python -m qat.reconstruct", __doc__.split("\n")[0],
+                              "a quantized artifact (qat.ptq): HF directory + qparams", DEFAULT_TEACHER,
+                              QuantReconstructConfig)
     args = ap.parse_args(argv)
-    cfg, calib = fit_settings(args, QuantReconstructConfig)
+    cfg, calib = block_fit.fit_settings(args, QuantReconstructConfig)
     src, out = Path(args.artifact), Path(args.out)
-    if out.exists() and not args.overwrite:
-        raise SmeltError(f"output directory {out} already exists (pass --overwrite to replace it)")
-    if out.resolve() == src.resolve():
-        raise SmeltError(f"--out {out} is the --artifact itself")
+    block_fit.check_paths(src, out, args.overwrite)
     qparams, spec = read_qparams(src)
     masks = load_masks(src)  # none: a dense quantized model
     device = default_device()
     student = load_hf(src, device=str(device))
     teacher = load_hf(resolve_teacher(args.teacher), device=str(device)).eval()
-    check_pair(teacher, student, args.teacher, src)
-    blocks = parse_blocks(args.blocks, student, src)
+    block_fit.check_pair(teacher, student, args.teacher, src)
+    blocks = block_fit.parse_blocks(args.blocks, student, src)
     originals = to_fake_quant(student, qparams, spec)
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(src if (src / "tokenizer.json").is_file() else resolve_teacher(args.teacher))
-    report = fit_model(teacher, student, masks, calib.windows(tokenizer), calib, cfg, blocks)
+    report = block_fit.fit_model(teacher, student, masks, calib.windows(tokenizer), calib, cfg, blocks)
     del teacher
     fitted = from_fake_quant(student, originals)
-    for name, m in masks.items():  # the fit must not have revived a pruned weight
-        if bool((student.get_submodule(name).weight.detach().cpu()[~m.cpu()] != 0).any()):
-            raise SmeltError(f"{name}: a pruned weight is non-zero after the fit (a bug)")
+    block_fit.check_masks_kept(student, masks)
     with atomic_dir(out, overwrite=args.overwrite) as tmp:
-        for f in src.iterdir():  # masks, tokenizer, MTP heads: everything but the weights, scales and record
-            if f.is_file() and f.name not in ("model.safetensors", "config.json", "manifest.json", QPARAMS_FILE):
-                shutil.copy2(f, tmp / f.name)
+        block_fit.copy_side_files(src, tmp, (QPARAMS_FILE,))  # masks, tokenizer, MTP modules
         save_hf(student, tmp)
         save_qparams(student, fitted, spec, tmp)
-        write_manifest(tmp, stage="qreconstruct",
-                       settings={**asdict(cfg), "spec": spec_to_dict(spec), "blocks": blocks,
-                                 "teacher": args.teacher, "calibration": calib.record(device)},
-                       metrics={"per_block": report, "seconds": round(time.perf_counter() - t0, 1),
-                                "peak_rss_gib": round(peak_rss_gib(), 3)},
+        settings, metrics = block_fit.fit_record(cfg, calib, device, blocks, args.teacher, report,
+                                                 time.perf_counter() - t0, peak_rss_gib())
+        write_manifest(tmp, stage="qreconstruct", settings={**settings, "spec": spec_to_dict(spec)}, metrics=metrics,
                        parent=parent_record(src))
     print(out)
 
