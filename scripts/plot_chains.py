@@ -17,7 +17,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-STAGES = ("pruned-2of4", "reconstructed-2of4", "recovered-2of4", "gptq-2of4", "qat-2of4")
+STAGES = ("pruned-2of4", "reconstructed-2of4", "recovered-2of4", "gptq-2of4", "gptq-2of4-fit", "qat-2of4")
 BUCKETS = ("en", "zh", "code", "news")
 
 
