@@ -41,7 +41,7 @@ def main() -> None:
                 xs = [i for i, st in enumerate(STAGES) if st in stages and bucket in stages[st]]
                 ax.plot(xs, [stages[STAGES[i]][bucket][metric] for i in xs], marker="o", label=label)
             ax.set_title(f"{bucket}: {name}")
-            ax.set_xticks(range(len(STAGES)), [s.removesuffix("-2of4").replace("reconstructed", "recon") for s in STAGES])
+            ax.set_xticks(range(len(STAGES)), [s.removesuffix("-2of4").replace("reconstructed", "recon").replace("gptq-2of4-fit", "W4 fit") for s in STAGES])
             ax.grid(alpha=0.3)
     axes[0][0].legend()
     fig.suptitle("per-token KL to the teacher at each stage of the chain")
