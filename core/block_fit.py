@@ -28,7 +28,6 @@ from core.errors import ArgumentParser, SmeltError
 CALIB = CalibConfig(n_windows=64, seq_len=512, corpus="wikitext2-valid+code-train+zh-train", batch_size=8)
 
 
-
 def part_masks(masks: dict[str, torch.Tensor], block: str, fit: str) -> dict[str, torch.Tensor]:
     """{linear name inside the fitted part: keep-mask} of one block's MLP (fit "mlp": "w1", ...) or of the whole
     block (fit "block": "attention.wq", "feed_forward.w1", ...) from an artifact's masks; absent: dense."""
