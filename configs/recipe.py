@@ -29,7 +29,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from configs.memory import FORMULAS, GIB, Budget, estimate, find_shape, format_plan, teacher_dir
-from configs.recipe_spec import (
+from configs.recipe_spec import load, metrics_source
+from configs.recipe_stages import (
     PY,
     TRAINING,
     PruneStage,
@@ -39,8 +40,6 @@ from configs.recipe_spec import (
     SelfTextStage,
     Stage,
     TrainStage,
-    load,
-    metrics_source,
 )
 from configs.schema import build
 from core.calibrate import CalibConfig
