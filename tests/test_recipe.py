@@ -108,8 +108,9 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
     assert shape == (30, 576, 9, 3, 1536, 49152)
     assert m["params"] == 134_515_008  # what torchtitan logs for SmolLM2-135M
     assert "30 layers, d_model 576, heads 9 / kv 3" in out and "memory per CPU rank" in out
-    # scripts/recipe.sh's commands with its 30-minute defaults (64 / 32 x 512 calibration with bf16 forwards where
-    # the CPU has them, 30 recovery and 24 QAT steps in bf16 mixed precision, 1 rank, 1 block through the kernels)
+    # scripts/recipe.sh's commands with its CPU defaults (64 / 32 x 512 calibration with bf16 forwards where the CPU
+    # has them, both reconstructions on 128 x 512 for 2 epochs, 30 recovery and 24 QAT steps in bf16 mixed
+    # precision, 1 rank, 1 block through the kernels)
     t, launch = "--teacher smollm2-135m", "python -m train.launch --nproc 1 -- --module train.config_registry"
     expected = {
         "heads": [f"python -m prune.heads {t} --top-k 4 --calib-windows 16 --out {run}/heads.json --png {run}/heads.png"],
@@ -117,15 +118,16 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
                   f"--skip output,tok_embeddings,attention.wq,attention.wk,attention.wv,attention.wo "
                   f"--calib-windows 64 --calib-seq-len 512 --calib-forward auto --calib-corpus {MIX} "
                   f"--refit layer --out {run}/pruned-2of4")],
-        "reconstruct": [(f"python -m prune.reconstruct --artifact {run}/pruned-2of4 {t} --inputs block --calib-corpus {MIX} "
-                        f"--out {run}/reconstructed-2of4")],
+        "reconstruct": [(f"python -m prune.reconstruct --artifact {run}/pruned-2of4 {t} --epochs 2 --inputs block "
+                        f"--calib-windows 128 --calib-corpus {MIX} --out {run}/reconstructed-2of4")],
         "recover": [(f"{launch} --config smollm2_recover --student {run}/reconstructed-2of4 {t} --dump_folder "
                     f"{run}/recovered-2of4-run --export_dir {run}/recovered-2of4 --training.steps 30 "
                     f"--training.mixed_precision_param bfloat16")],
         "quantize": [(f"python -m qat.ptq {t} --artifact {run}/recovered-2of4 --method gptq --act-order "
                      f"--group-size 64 --calib-windows 32 --calib-forward auto --calib-hessian auto --calib-corpus {MIX} "
                      f"--out {run}/gptq-2of4")],
-        "qreconstruct": [f"python -m qat.reconstruct --artifact {run}/gptq-2of4 {t} --calib-corpus {MIX} --out {run}/gptq-2of4-fit"],
+        "qreconstruct": [(f"python -m qat.reconstruct --artifact {run}/gptq-2of4 {t} --epochs 2 --calib-windows 128 "
+                         f"--calib-corpus {MIX} --out {run}/gptq-2of4-fit")],
         "qat": [(f"{launch} --config smollm2_qat --student {run}/gptq-2of4-fit {t} --dump_folder "
                 f"{run}/qat-2of4-run --export_dir {run}/qat-2of4 --training.steps 24 "
                 f"--training.mixed_precision_param bfloat16 --optimizer.param-groups.0.optimizer-kwargs.lr 0.00012")],
