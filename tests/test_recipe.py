@@ -110,8 +110,9 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
     assert "30 layers, d_model 576, heads 9 / kv 3" in out and "memory per CPU rank" in out
     # scripts/recipe.sh's commands with its CPU defaults (64 / 32 x 512 calibration with bf16 forwards where the CPU
     # has them, both reconstructions on 128 x 512 for 2 epochs, 30 recovery and 24 QAT steps in bf16 mixed
-    # precision, 1 rank, 1 block through the kernels)
+    # precision on 2 x 512-token windows where the configs have 4 x 256, 1 rank, 1 block through the kernels)
     t, launch = "--teacher smollm2-135m", "python -m train.launch --nproc 1 -- --module train.config_registry"
+    windows_512 = "--training.local_batch_size 1 --training.global_batch_size 2 --training.seq_len 512"
     expected = {
         "heads": [f"python -m prune.heads {t} --top-k 4 --calib-windows 16 --out {run}/heads.json --png {run}/heads.png"],
         "prune": [(f"python -m prune.run {t} --method sparsegpt --pattern 2:4 --protect {run}/heads.json "
@@ -121,7 +122,7 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
         "reconstruct": [(f"python -m prune.reconstruct --artifact {run}/pruned-2of4 {t} --epochs 2 --inputs block "
                         f"--calib-windows 128 --calib-corpus {MIX} --out {run}/reconstructed-2of4")],
         "recover": [(f"{launch} --config smollm2_recover --student {run}/reconstructed-2of4 {t} --dump_folder "
-                    f"{run}/recovered-2of4-run --export_dir {run}/recovered-2of4 --training.steps 30 "
+                    f"{run}/recovered-2of4-run --export_dir {run}/recovered-2of4 --training.steps 30 {windows_512} "
                     f"--training.mixed_precision_param bfloat16")],
         "quantize": [(f"python -m qat.ptq {t} --artifact {run}/recovered-2of4 --method gptq --act-order "
                      f"--group-size 64 --calib-windows 32 --calib-forward auto --calib-hessian auto --calib-corpus {MIX} "
@@ -129,7 +130,7 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
         "qreconstruct": [(f"python -m qat.reconstruct --artifact {run}/gptq-2of4 {t} --epochs 2 --calib-windows 128 "
                          f"--calib-corpus {MIX} --out {run}/gptq-2of4-fit")],
         "qat": [(f"{launch} --config smollm2_qat --student {run}/gptq-2of4-fit {t} --dump_folder "
-                f"{run}/qat-2of4-run --export_dir {run}/qat-2of4 --training.steps 24 "
+                f"{run}/qat-2of4-run --export_dir {run}/qat-2of4 --training.steps 24 {windows_512} "
                 f"--training.mixed_precision_param bfloat16 --optimizer.param-groups.0.optimizer-kwargs.lr 0.00012")],
         "release": [(f"python -m qat.release --artifact {run}/qat-2of4 --out {run}/release --dtype bfloat16 "
                     f"--sparse-storage mask --metrics {run}/evals/qat-2of4.json")],
@@ -151,7 +152,7 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
         assert stages[name]["evaluation"] == (f"python -m eval.evaluate {t} --model {run}/{art} "
                                               f"--out {run}/evals/{art}.json --wandb"
                                               + " --needle" * (name == "qat") + windows)
-    assert stages["recover"]["tokens"] == 30 * 4 * 256 and stages["prune"]["tokens"] == 64 * 512
+    assert stages["recover"]["tokens"] == 30 * 2 * 512 and stages["prune"]["tokens"] == 64 * 512
     _check_memory(plan, ["recover", "qat"])
     assert not run.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "smollm2-config"]
 
@@ -226,8 +227,8 @@ def test_list_stages(capsys):
 
 BAD = [
     (["--set", "stages.recover.stepz=2"], "stages[4].stepz"),
-    (["--set", "parallelism.nproc=2", "--set", "stages.recover.global_batch=6"],
-     "not divisible by local_batch 2 x data-parallel degree 2"),
+    (["--set", "parallelism.nproc=2", "--set", "stages.recover.global_batch=3"],
+     "not divisible by local_batch 1 x data-parallel degree 2"),
     (["--set", "stages.recover.input=/no/such/artifact"], "neither an earlier stage nor an existing"),
     (["--set", "stages.recover.config=smollm2_recoverr"], "not a config of train/config_registry.py"),
     (["--set", "stages.qat.steps=0"], "stages[7].steps=0 must be > 0"),
@@ -261,9 +262,9 @@ def test_unknown_kind_in_a_file_and_env_budgets(capsys, tmp_path, monkeypatch):
     bad.write_text('name = "x"\nteacher = "smollm2-135m"\nrun_dir = "r"\n[[stages]]\nkind = "distil"\n')
     code, _, err = _cli(capsys, bad, "--dry-run")
     assert code == 2 and "stages[0].kind 'distil' is not one of" in err
-    monkeypatch.setenv("SMELT_NPROC", "4")  # a Slurm job's ranks: 4 x local batch 2 does not divide 4
+    monkeypatch.setenv("SMELT_NPROC", "4")  # a Slurm job's ranks: 4 x local batch 1 does not divide 2
     code, _, err = _cli(capsys, RECIPES / "smollm2-cpu.toml", "--list-stages")
-    assert code == 2 and "global_batch=4 is not divisible by local_batch 2 x data-parallel degree 4" in err
+    assert code == 2 and "global_batch=2 is not divisible by local_batch 1 x data-parallel degree 4" in err
     monkeypatch.setenv("SMELT_NPROC", "1")  # gradient accumulation fills the global batch
     assert load(RECIPES / "smollm2-cpu.toml").dp == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.toml"]
@@ -406,7 +407,7 @@ def test_missing_input_is_one_line_at_run_time(capsys, tmp_path, tiny_model_dir)
 def _with_cache_stage(tmp_path: Path, **cache) -> Path:
     """smollm2-cpu.toml with a teacher_cache stage before recovery, recovery and QAT reading it."""
     text = (RECIPES / "smollm2-cpu.toml").read_text()
-    keys = {"top_k": 64, "windows": 240, "seq_len": 256, "local_batch": 2, "dtype": '"bfloat16"', **cache}
+    keys = {"top_k": 64, "windows": 240, "seq_len": 512, "local_batch": 1, "dtype": '"bfloat16"', **cache}
     stage = '[[stages]]\nkind = "teacher_cache"\nname = "teacher-top64"\n' + "".join(
         f"{k} = {v}\n" for k, v in keys.items()) + "\n"
     text = text.replace('[[stages]]\nkind = "recover"', stage + '[[stages]]\nkind = "recover"', 1)
@@ -426,8 +427,8 @@ def test_a_teacher_cache_stage_feeds_recovery_and_qat(capsys, tmp_path):
                        "--teacher-config", str(smol))
     stages = {s["name"]: s for s in plan["stages"]}
     assert stages["teacher-top64"]["commands"] == [
-        f"python -m distill.teacher_cache --teacher smollm2-135m --source {MIX} --seq-len 256 --windows 240 "
-        f"--top-k 64 --ranks 1 --local-batch 2 --dtype bfloat16 --out {run}/teacher-top64"]
+        f"python -m distill.teacher_cache --teacher smollm2-135m --source {MIX} --seq-len 512 --windows 240 "
+        f"--top-k 64 --ranks 1 --local-batch 1 --dtype bfloat16 --out {run}/teacher-top64"]
     assert stages["teacher-top64"]["evaluation"] is None
     for name in ("recover", "qat"):
         assert stages[name]["commands"][0].endswith(f"--dataloader.teacher_cache {run}/teacher-top64"), name
@@ -436,8 +437,8 @@ def test_a_teacher_cache_stage_feeds_recovery_and_qat(capsys, tmp_path):
                                             "--teacher-config", str(smol))[1]["stages"]}
     assert plain["recover"]["memory_gib"]["teacher"] > 0.1
     assert plain["recover"]["memory_gib"]["total"] > stages["recover"]["memory_gib"]["total"]
-    for cache, message in (({"seq_len": 512}, "teacher_cache 'teacher-top64' holds seq_len 512; this stage "
-                                              "trains with 256"),
+    for cache, message in (({"seq_len": 256}, "teacher_cache 'teacher-top64' holds seq_len 256; this stage "
+                                              "trains with 512"),
                            ({"top_k": 0}, "stages[4].top_k=0 must be >= 1"),
                            ({"dtype": '"float16"'}, "stages[4].dtype 'float16' is not float32 or bfloat16")):
         code, out, err = _cli(capsys, _with_cache_stage(tmp_path, **cache), "--dry-run")
