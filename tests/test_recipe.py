@@ -96,6 +96,9 @@ def test_prune_refit_and_true_sequential_reach_their_commands(capsys, tmp_path):
     assert "--calib-hessian" not in prune["commands"][0]  # None: the CLI's default
 
 
+# the recipe's recover and qat windows where their configs have 4 x 256 (test_recipe_mtp: what the MTP chain keeps)
+RECIPE_WINDOWS = "--training.local_batch_size 1 --training.global_batch_size 2 --training.seq_len 512"
+
 def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
     smol = tmp_path / "smollm2-config"
     smol.mkdir()
@@ -112,7 +115,6 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
     # has them, both reconstructions on 128 x 512 for 2 epochs, 30 recovery and 24 QAT steps in bf16 mixed
     # precision on 2 x 512-token windows where the configs have 4 x 256, 1 rank, 1 block through the kernels)
     t, launch = "--teacher smollm2-135m", "python -m train.launch --nproc 1 -- --module train.config_registry"
-    windows_512 = "--training.local_batch_size 1 --training.global_batch_size 2 --training.seq_len 512"
     expected = {
         "heads": [f"python -m prune.heads {t} --top-k 4 --calib-windows 16 --out {run}/heads.json --png {run}/heads.png"],
         "prune": [(f"python -m prune.run {t} --method sparsegpt --pattern 2:4 --protect {run}/heads.json "
@@ -122,7 +124,7 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
         "reconstruct": [(f"python -m prune.reconstruct --artifact {run}/pruned-2of4 {t} --epochs 2 --inputs block "
                         f"--calib-windows 128 --calib-corpus {MIX} --out {run}/reconstructed-2of4")],
         "recover": [(f"{launch} --config smollm2_recover --student {run}/reconstructed-2of4 {t} --dump_folder "
-                    f"{run}/recovered-2of4-run --export_dir {run}/recovered-2of4 --training.steps 30 {windows_512} "
+                    f"{run}/recovered-2of4-run --export_dir {run}/recovered-2of4 --training.steps 30 {RECIPE_WINDOWS} "
                     f"--training.mixed_precision_param bfloat16")],
         "quantize": [(f"python -m qat.ptq {t} --artifact {run}/recovered-2of4 --method gptq --act-order "
                      f"--group-size 64 --calib-windows 32 --calib-forward auto --calib-hessian auto --calib-corpus {MIX} "
@@ -130,7 +132,7 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
         "qreconstruct": [(f"python -m qat.reconstruct --artifact {run}/gptq-2of4 {t} --epochs 2 --calib-windows 128 "
                          f"--calib-corpus {MIX} --out {run}/gptq-2of4-fit")],
         "qat": [(f"{launch} --config smollm2_qat --student {run}/gptq-2of4-fit {t} --dump_folder "
-                f"{run}/qat-2of4-run --export_dir {run}/qat-2of4 --training.steps 24 {windows_512} "
+                f"{run}/qat-2of4-run --export_dir {run}/qat-2of4 --training.steps 24 {RECIPE_WINDOWS} "
                 f"--training.mixed_precision_param bfloat16 --optimizer.param-groups.0.optimizer-kwargs.lr 0.00012")],
         "release": [(f"python -m qat.release --artifact {run}/qat-2of4 --out {run}/release --dtype bfloat16 "
                     f"--sparse-storage mask --metrics {run}/evals/qat-2of4.json")],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from conftest import ROOT
-from test_recipe import _cli, _dry_run
+from test_recipe import RECIPE_WINDOWS, _cli, _dry_run
 
 from models.hf_io import config_to_hf
 from models.llama import FLAVORS
@@ -16,7 +16,8 @@ RECIPES = ROOT / "configs" / "recipes"
 def test_smollm2_mtp_recipe_is_the_default_chain_plus_its_mtp_stages(capsys, tmp_path):
     """smollm2-cpu-mtp.toml: every stage of the default recipe with the same command (its own run_dir; GPTQ
     reads the artifact that carries the module; no refit, no reconstruction, QAT at its config's lr, recovery and
-    QAT on the configs' 4 x 256-token windows, as it was measured before the default took them), and the four MTP stages on the texts their main models wrote."""
+    QAT on the configs' 4 x 256-token windows, as it was measured before the default took them), and the four MTP
+    stages on the texts their main models wrote."""
     smol = tmp_path / "smollm2-config"
     smol.mkdir()
     (smol / "config.json").write_text(json.dumps(config_to_hf(FLAVORS["smollm2-135m"])))
@@ -30,7 +31,7 @@ def test_smollm2_mtp_recipe_is_the_default_chain_plus_its_mtp_stages(capsys, tmp
     assert list(stages) == ["teacher", "heads", "prune", "recover", "self-text", "mtp", "quantize", "qat",
                             "qat-text", "realign", "release", "verify", "report"]
     run = f"{tmp_path}/run"
-    windows = " --training.local_batch_size 1 --training.global_batch_size 2 --training.seq_len 512"  # 4 x 256 there
+    windows = f" {RECIPE_WINDOWS}"  # the configs' 4 x 256 there
     moved = {"recover": [(f"--student {run}/reconstructed-2of4 ", f"--student {run}/pruned-2of4 "), (windows, "")],
              "quantize": [(f"--artifact {run}/recovered-2of4", f"--artifact {run}/mtp-2of4")],
              "release": [(f"--artifact {run}/qat-2of4 ", f"--artifact {run}/qat-2of4-mtp ")],
