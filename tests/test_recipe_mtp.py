@@ -15,8 +15,8 @@ RECIPES = ROOT / "configs" / "recipes"
 
 def test_smollm2_mtp_recipe_is_the_default_chain_plus_its_mtp_stages(capsys, tmp_path):
     """smollm2-cpu-mtp.toml: every stage of the default recipe with the same command (its own run_dir; GPTQ
-    reads the artifact that carries the module; no refit, no reconstruction, QAT at its config's lr, recovery and
-    QAT on the configs' 4 x 256-token windows, as it was measured before the default took them), and the four MTP
+    reads the artifact that carries the module; no refit, no reconstruction, QAT at its config's lr for 24 steps, recovery
+    and QAT on the configs' 4 x 256-token windows, as it was measured before the default took them), and the four MTP
     stages on the texts their main models wrote."""
     smol = tmp_path / "smollm2-config"
     smol.mkdir()
@@ -37,7 +37,7 @@ def test_smollm2_mtp_recipe_is_the_default_chain_plus_its_mtp_stages(capsys, tmp
              "release": [(f"--artifact {run}/qat-2of4 ", f"--artifact {run}/qat-2of4-mtp ")],
              "qat": [(f"--student {run}/gptq-2of4-fit ", f"--student {run}/gptq-2of4 "),
                      (" --optimizer.param-groups.0.optimizer-kwargs.lr 0.00012", ""),  # the config's lr there
-                     (windows, "")]}
+                     (windows, ""), ("--training.steps 192 ", "--training.steps 24 ")]}  # its 24 steps
     unmeasured = ("reconstruct", "qreconstruct")  # the MTP chain keeps what it was measured with
     assert all(n in base and n not in stages for n in unmeasured)
     for name, want in ((n, w) for n, w in base.items() if n not in unmeasured):
