@@ -55,8 +55,8 @@ def main() -> None:
         for i, (key, name) in enumerate((("kl_mean", "KL mean"), ("kl_p99", "KL P99"))):
             ax = axes[i, j]
             for label, points in series:
-                xs = [t for t, r in points if b in r["buckets"]]
-                ax.plot(xs, [r["buckets"][b][key] for _, r in points if b in r["buckets"]], "o-", label=label)
+                drawn = [(t, r["buckets"][b][key]) for t, r in points if b in r["buckets"]]
+                ax.plot([t for t, _ in drawn], [v for _, v in drawn], "o-", label=label)
             for k, (label, r) in enumerate(refs):
                 if b in r["buckets"]:
                     ax.axhline(r["buckets"][b][key], ls="--", color=f"C{len(series) + k}", label=label)
