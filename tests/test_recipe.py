@@ -68,7 +68,7 @@ def test_a_training_stages_lr_reaches_the_trainers_optimizer(capsys, tmp_path):
     smol.mkdir()
     (smol / "config.json").write_text(json.dumps(config_to_hf(FLAVORS["smollm2-135m"])))
     _, plan = _dry_run(capsys, RECIPES / "smollm2-cpu.toml", tmp_path, "--teacher-config", smol,
-                       "--set", f"run_dir={tmp_path}/run", "--set", "stages.qat.lr=2e-5")  # the recipe's: 1.2e-4
+                       "--set", f"run_dir={tmp_path}/run", "--set", "stages.qat.lr=2e-5")  # the recipe's: 2.4e-4
     stages = {s["name"]: s["commands"][0] for s in plan["stages"] if s["commands"]}
     assert "optimizer-kwargs.lr" not in stages["quantize"] and stages["qat"].endswith(
         " --optimizer.param-groups.0.optimizer-kwargs.lr 2e-05")
@@ -133,7 +133,7 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
                          f"--calib-corpus {MIX} --out {run}/gptq-2of4-fit")],
         "qat": [(f"{launch} --config smollm2_qat --student {run}/gptq-2of4-fit {t} --dump_folder "
                 f"{run}/qat-2of4-run --export_dir {run}/qat-2of4 --training.steps 192 {RECIPE_WINDOWS} "
-                f"--training.mixed_precision_param bfloat16 --optimizer.param-groups.0.optimizer-kwargs.lr 0.00012")],
+                f"--training.mixed_precision_param bfloat16 --optimizer.param-groups.0.optimizer-kwargs.lr 0.00024")],
         "release": [(f"python -m qat.release --artifact {run}/qat-2of4 --out {run}/release --dtype bfloat16 "
                     f"--sparse-storage mask --metrics {run}/evals/qat-2of4.json")],
         "verify": [f"python -m qat.verify {run}/release",
