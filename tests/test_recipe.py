@@ -112,7 +112,7 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
     assert m["params"] == 134_515_008  # what torchtitan logs for SmolLM2-135M
     assert "30 layers, d_model 576, heads 9 / kv 3" in out and "memory per CPU rank" in out
     # scripts/recipe.sh's commands with its CPU defaults (64 / 32 x 512 calibration with bf16 forwards where the CPU
-    # has them, both reconstructions on 128 x 512 for 2 epochs, 30 recovery and 192 QAT steps in bf16 mixed
+    # has them, both reconstructions on 128 x 512 for 2 epochs, 30 recovery and 214 QAT steps in bf16 mixed
     # precision on 2 x 512-token windows where the configs have 4 x 256, 1 rank, 1 block through the kernels)
     t, launch = "--teacher smollm2-135m", "python -m train.launch --nproc 1 -- --module train.config_registry"
     expected = {
@@ -132,7 +132,7 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
         "qreconstruct": [(f"python -m qat.reconstruct --artifact {run}/gptq-2of4 {t} --epochs 2 --calib-windows 128 "
                          f"--calib-corpus {MIX} --out {run}/gptq-2of4-fit")],
         "qat": [(f"{launch} --config smollm2_qat --student {run}/gptq-2of4-fit {t} --dump_folder "
-                f"{run}/qat-2of4-run --export_dir {run}/qat-2of4 --training.steps 192 {RECIPE_WINDOWS} "
+                f"{run}/qat-2of4-run --export_dir {run}/qat-2of4 --training.steps 214 {RECIPE_WINDOWS} "
                 f"--training.mixed_precision_param bfloat16 --optimizer.param-groups.0.optimizer-kwargs.lr 0.00024")],
         "release": [(f"python -m qat.release --artifact {run}/qat-2of4 --out {run}/release --dtype bfloat16 "
                     f"--sparse-storage mask --metrics {run}/evals/qat-2of4.json")],
