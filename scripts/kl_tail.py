@@ -156,33 +156,36 @@ def _label(name: str) -> str:
     return "/".join(Path(name).parts[-2:])  # run folder and artifact: "qat-2of4" alone is ambiguous
 
 
+def _grouped(ax, groups: list[str], series: list[tuple[str, list[float], str | None]]) -> None:
+    width = 0.8 / len(series)
+    for i, (label, values, color) in enumerate(series):
+        ax.bar([x - 0.4 + width * (i + 0.5) for x in range(len(groups))], values, width, label=label, color=color)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel("share of tokens")
+    ax.legend(fontsize=7)
+
+
 def _plot(report: dict, path: Path) -> None:
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
-    names = list(report["models"])
-    width = 0.8 / (len(names) + 1)
-    bands = report["models"][names[0]]["bands"]
-    xs = range(len(bands))
-    ax1.bar([x - 0.4 + width / 2 for x in xs], [b["token_share"] for b in bands], width, color="grey", label="all tokens")
-    for i, n in enumerate(names):
-        ax1.bar([x - 0.4 + width * (i + 1.5) for x in xs], [b["tail_share"] for b in report["models"][n]["bands"]],
-                width, label=f"P99 tail: {_label(n)}")
-    ax1.set_xticks(list(xs), [f"{b['positions'][0]}-{b['positions'][1] - 1}" for b in bands])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.4))
+    names, models = list(report["models"]), report["models"]
+    first = models[names[0]]
+    tails = [(f"P99 tail: {_label(n)} (P99 {models[n]['threshold']:.2f})", models[n], None) for n in names]
+    _grouped(ax1, [f"{b['positions'][0]}-{b['positions'][1] - 1}" for b in first["bands"]],
+             [("all tokens", [b["token_share"] for b in first["bands"]], "grey")]
+             + [(lab, [b["tail_share"] for b in r["bands"]], c) for lab, r, c in tails])
     ax1.set_xlabel("window position")
-    ax1.set_ylabel("share of tokens")
-    ax1.legend(fontsize=7)
-    for n in names:
-        r = report["models"][n]
-        ax2.scatter(r["threshold"], r["in_first_models_tail"], label=_label(n))
-    ax2.set_xlabel(f"{report['bucket']} KL P99")
-    ax2.set_ylabel(f"share of the tail also in {_label(names[0])}'s")
-    ax2.legend(fontsize=7)
+    _grouped(ax2, ["teacher's top-1 p >= 0.5", "next token copyable\n(bigram earlier in window)",
+                   f"in {_label(names[0])}'s tail"],
+             [("all tokens", [first["teacher_confident"]["all"], first["copyable"]["all"],
+                              first["tail_tokens"] / first["tokens"]], "grey")]
+             + [(lab, [r["teacher_confident"]["tail"], r["copyable"]["tail"], r["in_first_models_tail"]], c)
+                for lab, r, c in tails])
     fig.suptitle(f"{report['bucket']}: the tokens at or above each model's KL P99 ({report['windows']} x "
                  f"{report['seq_len']} windows)")
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110)
     tmp.replace(path)
-
 
 if __name__ == "__main__":
     try:
