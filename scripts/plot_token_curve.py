@@ -64,8 +64,9 @@ def main() -> None:
             ax.set_xlabel("training tokens")
             ax.grid(alpha=0.3)
     handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    ncol = min(len(labels), 3)  # more entries wrap into rows instead of running off the figure
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=9)
+    fig.tight_layout(rect=(0, 0.035 * -(-len(labels) // ncol) + 0.025, 1, 1))
     tmp = Path(args.out).with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110)
     tmp.replace(args.out)  # never a half-written plot
