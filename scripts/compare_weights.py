@@ -37,7 +37,7 @@ def main() -> None:
     for d in (args.a, args.b):
         if not (d / "model.safetensors").is_file():
             sys.exit(f"error: {d}: no model.safetensors (not an artifact directory)")
-    res = compare(args.a, args.b)
+    res = {"command": " ".join(["python", "scripts/compare_weights.py", *sys.argv[1:]]), **compare(args.a, args.b)}
     text = json.dumps(res, indent=1)
     if args.out:
         tmp = args.out.with_suffix(".tmp")
