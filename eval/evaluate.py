@@ -76,6 +76,19 @@ def _stats(logits: torch.Tensor, teacher_logprobs: torch.Tensor, batch: torch.Te
 
 
 @torch.no_grad()
+def token_stats(model, windows: torch.Tensor, cache: Path, batch_size: int, device: torch.device,
+                desc: str = "eval", progress: bool = True) -> dict[str, torch.Tensor]:
+    """Per-token stats (eval.metrics.per_token_stats) of `model` on `windows` against the cached teacher log-probs."""
+    parts = []
+    with safe_open(str(cache), framework="pt") as f:
+        lp_slice = f.get_slice("logprobs")
+        for s in tqdm(range(0, len(windows), batch_size), desc=desc, leave=False, disable=not progress):
+            batch = windows[s:s + batch_size]
+            parts.append(_stats(_logits(model, batch, device), lp_slice[s:s + len(batch)], batch))
+    return cat_stats(parts)
+
+
+@torch.no_grad()
 def evaluate(model, teacher_dir: str | Path, cfg: EvalConfig | None = None, tokenizer=None,
              teacher=None, progress: bool = True) -> dict:
     """Compare `model` (our Transformer or anything mapping tokens -> logits) with the teacher."""
@@ -98,14 +111,9 @@ def evaluate(model, teacher_dir: str | Path, cfg: EvalConfig | None = None, toke
         # The teacher against itself, cache not yet built: its statistics come from the cache's own forward.
         own = (lambda b, logits, lp: parts.append(_stats(logits, lp, b))) if teacher is model else None
         cache = teacher_logprobs_file(teacher_dir, windows, get_teacher, cfg.batch_size, desc=bucket, on_batch=own)
-        if not parts:
-            with safe_open(str(cache), framework="pt") as f:
-                lp_slice = f.get_slice("logprobs")
-                for s in tqdm(range(0, len(windows), cfg.batch_size), desc=f"eval {bucket}", leave=False,
-                              disable=not progress):
-                    batch = windows[s:s + cfg.batch_size]
-                    parts.append(_stats(_logits(model, batch, device), lp_slice[s:s + len(batch)], batch))
-        report["buckets"][bucket] = summarize(cat_stats(parts))
+        stats = cat_stats(parts) if parts else token_stats(model, windows, cache, cfg.batch_size, device,
+                                                             desc=f"eval {bucket}", progress=progress)
+        report["buckets"][bucket] = summarize(stats)
     return report
 
 

@@ -32,8 +32,7 @@ from core.data import eval_windows
 from core.device import default_device
 from core.errors import SmeltError
 from core.files import atomic_write_text
-from eval.evaluate import _logits, teacher_logprobs_file
-from eval.metrics import per_token_stats
+from eval.evaluate import teacher_logprobs_file, token_stats
 from models.hf_io import load_hf, load_tokenizer
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 
@@ -108,6 +107,10 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15, help="next tokens listed from each tail")
     ap.add_argument("--out", type=Path, required=True, help="writes <out>.json and <out>.png")
     args = ap.parse_args()
+    for flag, value, low in (("--windows", args.windows, 1), ("--seq-len", args.seq_len, 2),
+                             ("--batch-size", args.batch_size, 1), ("--top", args.top, 0)):
+        if value < low:
+            sys.exit(f"error: {flag}={value} must be >= {low}")
     for d in args.models:
         if not (d / "model.safetensors").is_file():
             sys.exit(f"error: models: {d} has no model.safetensors")
@@ -126,17 +129,9 @@ def main() -> None:
     tails = {}
     for d in args.models:
         model = load_hf(d).to(default_device()).eval()
-        kl, agree = [], []
-        with safe_open(str(lp_path), framework="pt") as f:
-            sl = f.get_slice("logprobs")
-            for s in range(0, len(windows), args.batch_size):
-                b = windows[s:s + args.batch_size]
-                st = per_token_stats(_logits(model, b, default_device()).flatten(0, 1),
-                                     sl[s:s + len(b)].flatten(0, 1), b[:, 1:].flatten())
-                kl.append(st["kl"])
-                agree.append(st["top1_agree"])
-        kl, agree = torch.cat(kl), torch.cat(agree)
-        r = anatomy(kl, pos, maxp, agree, copy)
+        st = token_stats(model, windows, lp_path, args.batch_size, default_device(), desc=str(d))
+        kl = st["kl"]
+        r = anatomy(kl, pos, maxp, st["top1_agree"], copy)
         tails[d] = kl >= r["threshold"]
         r["top_next_tokens"] = [[tok.decode([t]), c] for t, c in
                                 Counter(targets[tails[d]].tolist()).most_common(args.top)]
