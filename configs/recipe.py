@@ -84,7 +84,9 @@ def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
                  *_opt("--calib-corpus", calib), *_opt("--refit", st.refit), "--out", st.dst]]
     if st.kind in ("reconstruct", "qreconstruct"):
         module = "prune.reconstruct" if st.kind == "reconstruct" else "qat.reconstruct"
-        return [[PY, "-m", module, "--artifact", st.src, "--teacher", t, *_opt("--lr", st.lr),
+        # a qreconstruct stage's target, where set, stands in for the teacher: its block outputs are what is fitted
+        target = getattr(st, "target", None) or t
+        return [[PY, "-m", module, "--artifact", st.src, "--teacher", target, *_opt("--lr", st.lr),
                  *_opt("--scale-lr", getattr(st, "scale_lr", None)),
                  *_opt("--epochs", st.epochs), *_opt("--inputs", st.inputs), *_opt("--fit", st.fit),
                  *_opt("--calib-windows", st.calib_windows), *_opt("--calib-seq-len", st.calib_seq_len),

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from configs.memory import read_registry
 from configs.recipe_stages import (
+    FLOAT_MODELS,
     KINDS,
     MODELS,
     NAME,
@@ -90,21 +91,21 @@ def load(path: str | Path, sets: list[str] = (), env: dict | None = None) -> Rec
     return recipe
 
 
-def _input(st: Stage, where: str, outputs: dict, default: str | None, want: tuple) -> str:
-    """What a stage reads: an earlier stage's output (by name), an existing directory, or `default`."""
-    ref = st.input or default
+def _input(st: Stage, where: str, outputs: dict, default: str | None, want: tuple, field: str = "input") -> str:
+    """What a stage reads (its `field`): an earlier stage's output (by name), an existing directory, or `default`."""
+    ref = getattr(st, field) or default
     if ref is None:
         raise SmeltError(f"{where} ({st.kind}) has no input: no earlier stage writes a {' or '.join(want)} "
                          f"artifact; set {where}.input to a stage name or an artifact directory")
     if ref in outputs:
         kind, path = outputs[ref]
         if kind not in want:
-            raise SmeltError(f"{where}.input {ref!r} is a {kind} stage; a {st.kind} stage reads "
+            raise SmeltError(f"{where}.{field} {ref!r} is a {kind} stage; a {st.kind} stage reads "
                              f"{' or '.join(want)} output")
         return path
     if Path(ref).is_dir():
         return ref
-    raise SmeltError(f"{where}.input {ref!r} is neither an earlier stage nor an existing artifact directory")
+    raise SmeltError(f"{where}.{field} {ref!r} is neither an earlier stage nor an existing artifact directory")
 
 
 def _budget(recipe: Recipe, st: TrainStage, where: str, registry: dict) -> dict:
@@ -309,6 +310,8 @@ def check(recipe: Recipe, registry: dict) -> None:
             st.src = _input(st, where, outputs, last["model"] or "teacher", (*MODELS, "teacher"))
         elif st.kind == "qreconstruct":
             st.src = _input(st, where, outputs, last["model"], QUANTIZED)
+            if st.target is not None:  # a float model of the same shapes; quantized ones would aim at their own grid
+                st.target = _input(st, where, outputs, None, FLOAT_MODELS, field="target")
         elif hasattr(st, "input"):
             st.src = _input(st, where, outputs, last["model"], MODELS)
         if isinstance(st, TeacherCacheStage):

@@ -15,6 +15,7 @@ TRAINING = ("recover", "mtp", "qat")
 MODELS = ("prune", "reconstruct", "recover", "mtp", "ptq", "qreconstruct", "qat")  # write an HF artifact, evaluated
 # against the teacher
 QUANTIZED = ("ptq", "qreconstruct", "qat")  # write a quantized artifact (qparams): what a qreconstruct stage reads
+FLOAT_MODELS = tuple(k for k in MODELS if k not in QUANTIZED)  # what a qreconstruct stage may aim at (its target)
 NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a stage name is a Slurm job name and a file name
 PY = "python"  # sys.executable in the commands (printed as `python`)
 
@@ -89,6 +90,8 @@ class ReconstructStage(Stage):      # prune.reconstruct: each block's MLP fitted
 @dataclass
 class QuantReconstructStage(ReconstructStage):  # qat.reconstruct: a quantized artifact's blocks fitted on their grid
     scale_lr: float | None = None   # the learned scales' lr; None here and in the fields above: qat.reconstruct's
+    target: str | None = None       # whose block outputs the fit aims at: an earlier float model stage (e.g. the
+                                    # recovered model) or an HF directory; None: the teacher
 
 
 @dataclass

@@ -12,6 +12,11 @@ estimator, the group scales as LSQ parameters (qat.fake_quant), each at its own 
 EfficientQAT (Block-AP, Chen et al. 2024), on BRECQ's block objective (Li et al. 2021). The teacher's block
 outputs are the target, so each block also corrects what the quantized blocks before it left.
 
+`--teacher` may name any float model of the same shapes instead, e.g. the recovered 2:4 model this artifact was
+quantized from (recipe key `target`). Why: the dense teacher's block outputs pull every block back towards a
+layer-wise fit of the teacher, which undoes what distillation learned end to end; the recovered model's are
+reachable by the 2:4 weights and carry that learning (README, issue 16: "The quantized fit's target").
+
 Input: a quantized artifact (qat.ptq, or a QAT stage's): dequantized weights + qparams.safetensors (+ masks).
 Output: the same format, with every fitted linear's weight = dequantize(codes) on its learned scales, so a qat
 stage continues from it as from GPTQ's, and the release packs it the same way. Linears outside the fitted part

@@ -167,3 +167,42 @@ def test_a_qreconstruct_stage_fits_the_ptq_artifact_and_refuses_bad_settings(cap
     code, _, err = _recipe_cli(capfd, recipe, "--dry-run", "--set", "stages.qreconstruct.input=prune")
     assert code == 2 and err.strip().endswith("stages[2].input 'prune' is a prune stage; a qreconstruct stage reads "
                                               "ptq or qreconstruct or qat output"), err
+
+
+def test_a_qreconstruct_stage_aims_at_its_target_model(capfd, tmp_path, tiny_model_dir):
+    """target = an earlier float model stage: its block outputs replace the teacher's as what the fit aims at (the
+    pruned model the ptq artifact came from is far closer to it than the teacher is); a quantized stage or a
+    missing directory as target is a one-line error before anything runs."""
+    from test_recipe import _cli as _recipe_cli
+    from test_recipe import _run as _recipe
+
+    run = tmp_path / "run"
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'name = "r"\nteacher = "{tiny_model_dir}"\nrun_dir = "{run}"\n[data]\n'
+                      'calibration = "wikitext2-valid"\n[[stages]]\nkind = "prune"\nmethod = "magnitude"\n'
+                      'pattern = "2:4"\nevaluate = false\n[[stages]]\nkind = "ptq"\nmethod = "rtn"\ngroup_size = 16\n'
+                      'evaluate = false\n[[stages]]\nkind = "qreconstruct"\nepochs = 1\ncalib_windows = 2\n'
+                      'calib_seq_len = 32\nevaluate = false\n')
+    for stage in ("prune", "ptq"):
+        assert _recipe(recipe, "--stage", stage) == 0, capfd.readouterr().err[-2000:]
+    befores = {}
+    for target in (None, "prune"):
+        sets = ["--set", f"stages.qreconstruct.target={target}", "--set", f"stages.qreconstruct.out=fit-{target}"] \
+            if target else []
+        code = _recipe(recipe, "--stage", "qreconstruct", *sets)
+        out = capfd.readouterr()
+        assert code == 0, out.err[-2000:]
+        aim = run / "prune" if target else tiny_model_dir
+        assert f"qat.reconstruct --artifact {run}/ptq --teacher {aim} --epochs 1" in out.out
+        manifest = json.loads((run / (f"fit-{target}" if target else "qreconstruct") / "manifest.json").read_text())
+        assert manifest["settings"]["teacher"] == str(aim)
+        befores[target] = [b["before"]["heldout"] for b in manifest["metrics"]["per_block"].values()]
+    # block 0 sees the same input either way: only the target differs
+    assert befores["prune"][0] < 0.5 * befores[None][0], befores
+    code, _, err = _recipe_cli(capfd, recipe, "--dry-run", "--set", "stages.qreconstruct.target=ptq")
+    assert code == 2 and err.strip().endswith("stages[2].target 'ptq' is a ptq stage; a qreconstruct stage reads "
+                                              "prune or reconstruct or recover or mtp output"), err
+    code, _, err = _recipe_cli(capfd, recipe, "--dry-run", "--set", f"stages.qreconstruct.target={tmp_path}/nope")
+    assert code == 2 and err.strip().endswith(f"stages[2].target '{tmp_path}/nope' is neither an earlier stage nor "
+                                              "an existing artifact directory"), err
+    assert not (run / "fit-ptq").exists()
