@@ -96,7 +96,7 @@ def _input(st: Stage, where: str, outputs: dict, default: str | None, want: tupl
     ref = getattr(st, field) or default
     if ref is None:
         raise SmeltError(f"{where} ({st.kind}) has no input: no earlier stage writes a {' or '.join(want)} "
-                         f"artifact; set {where}.input to a stage name or an artifact directory")
+                         f"artifact; set {where}.{field} to a stage name or an artifact directory")
     if ref in outputs:
         kind, path = outputs[ref]
         if kind not in want:
@@ -310,6 +310,8 @@ def check(recipe: Recipe, registry: dict) -> None:
             st.src = _input(st, where, outputs, last["model"] or "teacher", (*MODELS, "teacher"))
         elif st.kind == "qreconstruct":
             st.src = _input(st, where, outputs, last["model"], QUANTIZED)
+            if st.target == "":
+                raise SmeltError(f"{where}.target is empty: name an earlier float model stage or a directory")
             if st.target is not None:  # a float model of the same shapes; quantized ones would aim at their own grid
                 st.target = _input(st, where, outputs, None, FLOAT_MODELS, field="target")
         elif hasattr(st, "input"):

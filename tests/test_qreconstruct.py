@@ -205,4 +205,7 @@ def test_a_qreconstruct_stage_aims_at_its_target_model(capfd, tmp_path, tiny_mod
     code, _, err = _recipe_cli(capfd, recipe, "--dry-run", "--set", f"stages.qreconstruct.target={tmp_path}/nope")
     assert code == 2 and err.strip().endswith(f"stages[2].target '{tmp_path}/nope' is neither an earlier stage nor "
                                               "an existing artifact directory"), err
+    code, _, err = _recipe_cli(capfd, recipe, "--dry-run", "--set", "stages.qreconstruct.target=")
+    assert code == 2 and err.strip().endswith("stages[2].target is empty: name an earlier float model stage or a "
+                                              "directory"), err
     assert not (run / "fit-ptq").exists()
