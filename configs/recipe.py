@@ -157,6 +157,7 @@ def plan(recipe: Recipe, shape, env: dict, only: str | None = None) -> dict:
             continue
         ev = evaluation(recipe, st, str(tdir) if tdir else None)
         entry = {"name": st.name, "kind": st.kind, "input": st.src or None, "output": st.dst or None,
+                 **({"target": st.target} if getattr(st, "target", None) else {}),
                  "commands": [shlex.join(c) for c in commands(recipe, st, env)],
                  "evaluation": shlex.join(ev) if ev else None, "tokens": None, "tokens_formula": None}
         if isinstance(st, (PruneStage, PtqStage)):
@@ -222,7 +223,7 @@ def run_stage(recipe: Recipe, st: Stage, env: dict) -> None:
     if st.kind not in ("teacher", "verify", "report") and Path(st.dst).exists():
         print(f"skip: {st.dst} exists", flush=True)
     else:
-        for need in (st.src, getattr(st, "reads", "")):
+        for need in (st.src, getattr(st, "reads", ""), getattr(st, "target", None) or ""):
             if need and need != recipe.teacher and not Path(need).exists():
                 raise SmeltError(f"stage {st.name}: input {need} does not exist (run the stage that writes "
                                  f"it first)")

@@ -100,7 +100,7 @@ def _input(st: Stage, where: str, outputs: dict, default: str | None, want: tupl
     if ref in outputs:
         kind, path = outputs[ref]
         if kind not in want:
-            raise SmeltError(f"{where}.{field} {ref!r} is a {kind} stage; a {st.kind} stage reads "
+            raise SmeltError(f"{where}.{field} {ref!r} is a {kind} stage; a {st.kind} stage's {field} is "
                              f"{' or '.join(want)} output")
         return path
     if Path(ref).is_dir():
@@ -311,7 +311,8 @@ def check(recipe: Recipe, registry: dict) -> None:
         elif st.kind == "qreconstruct":
             st.src = _input(st, where, outputs, last["model"], QUANTIZED)
             if st.target == "":
-                raise SmeltError(f"{where}.target is empty: name an earlier float model stage or a directory")
+                raise SmeltError(f"{where}.target is empty: name an earlier float model stage or a directory "
+                                 "(unset: the teacher)")
             if st.target is not None:  # a float model of the same shapes; quantized ones would aim at their own grid
                 st.target = _input(st, where, outputs, None, FLOAT_MODELS, field="target")
         elif hasattr(st, "input"):

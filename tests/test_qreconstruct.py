@@ -3,6 +3,7 @@ quantization and back, and the CLI on a tiny GPTQ artifact."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -165,8 +166,8 @@ def test_a_qreconstruct_stage_fits_the_ptq_artifact_and_refuses_bad_settings(cap
                                "--set", "stages.qreconstruct.inputs=student")
     assert code == 2 and "stages[2].fit='block' fits the block's output" in err.strip().splitlines()[-1], err
     code, _, err = _recipe_cli(capfd, recipe, "--dry-run", "--set", "stages.qreconstruct.input=prune")
-    assert code == 2 and err.strip().endswith("stages[2].input 'prune' is a prune stage; a qreconstruct stage reads "
-                                              "ptq or qreconstruct or qat output"), err
+    assert code == 2 and err.strip().endswith("stages[2].input 'prune' is a prune stage; a qreconstruct stage's "
+                                              "input is ptq or qreconstruct or qat output"), err
 
 
 def test_a_qreconstruct_stage_aims_at_its_target_model(capfd, tmp_path, tiny_model_dir):
@@ -200,12 +201,22 @@ def test_a_qreconstruct_stage_aims_at_its_target_model(capfd, tmp_path, tiny_mod
     # block 0 sees the same input either way: only the target differs
     assert befores["prune"][0] < 0.5 * befores[None][0], befores
     code, _, err = _recipe_cli(capfd, recipe, "--dry-run", "--set", "stages.qreconstruct.target=ptq")
-    assert code == 2 and err.strip().endswith("stages[2].target 'ptq' is a ptq stage; a qreconstruct stage reads "
-                                              "prune or reconstruct or recover or mtp output"), err
+    assert code == 2 and err.strip().endswith("stages[2].target 'ptq' is a ptq stage; a qreconstruct stage's "
+                                              "target is prune or reconstruct or recover or mtp output"), err
     code, _, err = _recipe_cli(capfd, recipe, "--dry-run", "--set", f"stages.qreconstruct.target={tmp_path}/nope")
     assert code == 2 and err.strip().endswith(f"stages[2].target '{tmp_path}/nope' is neither an earlier stage nor "
                                               "an existing artifact directory"), err
     code, _, err = _recipe_cli(capfd, recipe, "--dry-run", "--set", "stages.qreconstruct.target=")
     assert code == 2 and err.strip().endswith("stages[2].target is empty: name an earlier float model stage or a "
-                                              "directory"), err
-    assert not (run / "fit-ptq").exists()
+                                              "directory (unset: the teacher)"), err
+    plan = tmp_path / "plan.json"  # a directory as target; the plan names it
+    assert _recipe(recipe, "--dry-run", "--json", plan, "--set", f"stages.qreconstruct.target={tiny_model_dir}") == 0
+    assert json.loads(plan.read_text())["stages"][2]["target"] == str(tiny_model_dir)
+    # a target stage not run yet: refused before qat.reconstruct starts, nothing written
+    shutil.rmtree(run / "prune")
+    code = _recipe(recipe, "--stage", "qreconstruct", "--set", "stages.qreconstruct.target=prune",
+                   "--set", "stages.qreconstruct.out=fit-again")
+    err = capfd.readouterr().err
+    assert code == 2 and err.strip().endswith(f"stage qreconstruct: input {run}/prune does not exist (run the stage "
+                                              "that writes it first)"), err
+    assert not (run / "fit-again").exists()
