@@ -223,7 +223,7 @@ def run_stage(recipe: Recipe, st: Stage, env: dict) -> None:
     if st.kind not in ("teacher", "verify", "report") and Path(st.dst).exists():
         print(f"skip: {st.dst} exists", flush=True)
     else:
-        for need in (st.src, getattr(st, "reads", ""), getattr(st, "target", None) or ""):
+        for need in st.needs():
             if need and need != recipe.teacher and not Path(need).exists():
                 raise SmeltError(f"stage {st.name}: input {need} does not exist (run the stage that writes "
                                  f"it first)")

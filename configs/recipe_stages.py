@@ -42,6 +42,10 @@ class Stage:
     src: str = field(default="", init=False)  # resolved input (check)
     dst: str = field(default="", init=False)  # resolved output
 
+    def needs(self) -> tuple[str, ...]:
+        """The resolved paths this stage reads: each must exist before it runs (the teacher's name excepted)."""
+        return (self.src,)
+
 
 @dataclass
 class TeacherStage(Stage):          # models.teacher (fetch, verify, import); zh-train if used; evaluate
@@ -93,6 +97,9 @@ class QuantReconstructStage(ReconstructStage):  # qat.reconstruct: a quantized a
     target: str | None = None       # whose block outputs the fit aims at: an earlier float model stage (e.g. the
                                     # recovered model) or an HF directory; None: the teacher
 
+    def needs(self) -> tuple[str, ...]:
+        return (self.src, self.target or "")
+
 
 @dataclass
 class TeacherCacheStage(Stage):     # distill.teacher_cache: the teacher's top-k over the training windows
@@ -134,6 +141,9 @@ class TrainStage(Stage):            # recover / mtp / qat (train.launch)
     evaluate: bool = True
     reads: str = field(default="", init=False)  # the self_text file an earlier stage writes (source)
     budget: dict = field(default_factory=dict, init=False)
+
+    def needs(self) -> tuple[str, ...]:
+        return (self.src, self.reads)
 
 
 @dataclass

@@ -246,7 +246,8 @@ def fit_parser(prog: str, description: str, artifact_help: str, teacher: str,
     """A fitting stage's CLI: --artifact, --teacher (default `teacher`), --out, --overwrite and add_fit_args'."""
     ap = ArgumentParser(prog=prog, description=description)
     ap.add_argument("--artifact", required=True, help=artifact_help)
-    ap.add_argument("--teacher", default=teacher, help="the model whose blocks are matched: the teacher, or any float model of the same shapes")
+    ap.add_argument("--teacher", default=teacher,
+                    help="the model whose blocks are matched: the teacher, or any float model of the same shapes")
     ap.add_argument("--out", required=True)
     ap.add_argument("--overwrite", action="store_true")
     add_fit_args(ap, config)
