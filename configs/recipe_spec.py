@@ -1,13 +1,18 @@
 """The recipe file format: loaded from TOML with --set values into its types (configs.recipe_stages), checked once.
 
-`configs.recipe` plans and runs what this describes; configs/recipes/smollm2-cpu.toml is the commented
-example of the format.
+A recipe file may build on another (`extends = "FILE"`, relative to its own folder): it takes the base's values,
+sets its own name, run_dir and catalogue keys, inserts its [[stages]] tables into the base's chain (each after the
+stage its `after` names, else after the table before it in the file; the first without one at the end) and changes
+the base's values with a [set] table of KEY = VALUE, the keys of --set. `catalog` lists configs/recipes/ for
+`smelt recipes`. `configs.recipe` plans and runs what this describes; configs/recipes/smollm2-cpu.toml is the
+commented example of the format.
 """
 from __future__ import annotations
 
 import os
 import tomllib
 from pathlib import Path
+from typing import NamedTuple
 
 from configs.memory import read_registry
 from configs.recipe_stages import (
@@ -46,9 +51,31 @@ from core.patterns import NMPattern
 from core.text_source import SELF_TEXT_FILE, TextSourceConfig
 
 
-# ---- loading: TOML, environment, --set; typed; checked ------------------------------------------------
+# ---- loading: TOML, extends, environment, --set; typed; checked -------------------------------------------
+RECIPES = Path(__file__).parent / "recipes"  # the catalogue: the recipes this repository ships
+META = ("description", "hardware", "measured")  # the catalogue's keys: what it is, sized for, measured wall time
+EXTENDING = ("extends", "name", "run_dir", *META, "set", "stages")  # the keys of a file that extends another
+
+
+def _assign(values: dict, key: str, value, label: str) -> None:
+    """Set the dotted `key` of the raw TOML values (`stages.NAME.key` finds the stage by name); errors start with
+    `label`."""
+    node, parts = values, key.split(".")
+    if parts[0] == "stages" and len(parts) > 2:
+        chain = values["stages"] if isinstance(values.get("stages"), list) else []
+        names = [_stage_name(s) for s in chain]
+        if parts[1] not in names:
+            raise SmeltError(f"{label}: no stage named {parts[1]!r} (stages: {', '.join(map(str, names))})")
+        node, parts = chain[names.index(parts[1])], parts[2:]
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise SmeltError(f"{label}: {part!r} is not a table")
+    node[parts[-1]] = value
+
+
 def set_value(values: dict, assignment: str) -> None:
-    """Apply one `--set a.b.c=VALUE` to the raw TOML values (`stages.NAME.key` finds the stage by name)."""
+    """Apply one `--set a.b.c=VALUE` to the raw TOML values; VALUE is read as TOML, else kept as a string."""
     key, sep, raw = assignment.partition("=")
     if not sep or not key:
         raise SmeltError(f"--set {assignment!r}: expected KEY=VALUE, e.g. stages.recover.steps=2")
@@ -56,30 +83,113 @@ def set_value(values: dict, assignment: str) -> None:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw  # a bare word or a path
-    node, parts = values, key.split(".")
-    if parts[0] == "stages" and len(parts) > 2:
-        names = [s.get("name", s.get("kind")) for s in values.get("stages", []) if isinstance(s, dict)]
-        if parts[1] not in names:
-            raise SmeltError(f"--set {key}: no stage named {parts[1]!r} "
-                             f"(stages: {', '.join(map(str, names))})")
-        node, parts = [s for s in values["stages"] if isinstance(s, dict)][names.index(parts[1])], parts[2:]
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise SmeltError(f"--set {key}: {part!r} is not a table")
-    node[parts[-1]] = value
+    _assign(values, key, value, f"--set {key}")
+
+
+def _stage_name(raw) -> str | None:
+    return raw.get("name", raw.get("kind")) if isinstance(raw, dict) else None
+
+
+def _leaves(table: dict, prefix: str = ""):
+    """(dotted key, value) of a [set] table: a table value is set key by key, so it merges into the base's."""
+    for key, value in table.items():
+        if isinstance(value, dict) and value:
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def read_values(path: str | Path, _within: tuple = ()) -> dict:
+    """A recipe file's raw values, `extends` resolved (this module's docstring): what --set then changes."""
+    path = Path(path)
+    values = read_toml(path, "recipe")
+    if "extends" not in values:
+        if "set" in values:
+            raise SmeltError(f"recipe {path}: [set] changes a base recipe's values (with extends = FILE); "
+                             f"this file has no base: set the values directly")
+        return values
+    ref = values["extends"]
+    if not isinstance(ref, str) or not ref:
+        raise SmeltError(f"recipe {path}: extends = {ref!r} must be a recipe file (relative to {path.parent})")
+    base_path = path.parent / ref
+    if base_path.resolve() in (*_within, path.resolve()):
+        raise SmeltError(f"recipe {path}: extends {ref!r} is a cycle (a recipe extends itself)")
+    base = read_values(base_path, (*_within, path.resolve()))
+    for key in values:
+        if key not in EXTENDING:
+            raise SmeltError(f"recipe {path}: {key!r} is not a key of a recipe that extends another (valid: "
+                             f"{', '.join(EXTENDING)}); change the base's values in [set], e.g. {key}.KEY = VALUE")
+    for key in ("name", "run_dir"):  # a shared run_dir would skip the base's finished stages into this chain
+        if key not in values:
+            raise SmeltError(f"recipe {path}: a recipe that extends another sets its own {key}")
+    for key in ("name", *META):  # they describe the base, not this file
+        base.pop(key, None)
+    base.update({k: values[k] for k in ("name", "run_dir", *META) if k in values})
+    chain, after = list(base.get("stages", [])), None
+    if not isinstance(values.get("stages", []), list):
+        raise SmeltError(f"recipe {path}: stages must be [[stages]] tables")
+    for i, raw in enumerate(values.get("stages", [])):
+        if not isinstance(raw, dict):
+            raise SmeltError(f"recipe {path}: stages[{i}] must be a [[stages]] table")
+        raw = dict(raw)
+        if "after" in raw:
+            names = [_stage_name(s) for s in chain]
+            if raw["after"] not in names:
+                raise SmeltError(f"recipe {path}: stages[{i}].after {raw['after']!r} is not a stage of the chain "
+                                 f"({', '.join(map(str, names))})")
+            after = names.index(raw.pop("after")) + 1
+        at = len(chain) if after is None else after
+        chain.insert(at, raw)
+        after = at + 1
+    base["stages"] = chain
+    if not isinstance(values.get("set", {}), dict):
+        raise SmeltError(f"recipe {path}: set must be a table of KEY = VALUE ([set])")
+    for key, value in _leaves(values.get("set", {})):
+        _assign(base, key, value, f"recipe {path}: set.{key}")
+    return base
+
+
+class RecipeInfo(NamedTuple):
+    name: str
+    path: Path
+    description: str
+    hardware: str
+    measured: str
+
+
+def catalog(directory: str | Path = RECIPES) -> list[RecipeInfo]:
+    """Every recipe in `directory` (*.toml, by file name) with what it is, what hardware it is sized for and its
+    measured wall time; a file without one of those three keys is one SmeltError naming it."""
+    out = []
+    for path in sorted(Path(directory).glob("*.toml")):
+        values = read_values(path)
+        for key in ("name", *META):
+            _check_line(values.get(key), f"recipe {path}: {key}", required=True)
+        out.append(RecipeInfo(values["name"], path, *(values[k] for k in META)))
+    return out
+
+
+def _check_line(value, where: str, required: bool = False) -> None:
+    if value is None and not required:
+        return
+    if not isinstance(value, str) or not value.strip() or "\n" in value:
+        raise SmeltError(f"{where} = {value!r}: one line of text is required" if value is not None else
+                         f"{where} is missing (a catalogued recipe says what it is, the hardware it is sized for "
+                         f"and its measured wall time)")
 
 
 def load(path: str | Path, sets: list[str] = (), env: dict | None = None) -> Recipe:
     """Read, override and check a recipe: every problem is one SmeltError naming the key."""
     path, env = Path(path), os.environ if env is None else env
-    values = read_toml(path, "recipe")
+    values = read_values(path)
     for var, key in (("SMELT_NNODES", "nodes"), ("SMELT_NPROC", "nproc")):
         if env.get(var):
             set_value(values, f"parallelism.{key}={env[var]}")
     for s in sets:
         set_value(values, s)
     recipe = build(Recipe, values)
+    for key in META:
+        _check_line(getattr(recipe, key), key)
     stages = []
     for i, raw in enumerate(recipe.stages):
         if not isinstance(raw, dict) or raw.get("kind") not in TYPES:

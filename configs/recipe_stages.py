@@ -192,6 +192,9 @@ class Recipe:
     run_dir: str
     stages: list                    # [[stages]] tables; load() builds each by its kind
     teacher_config: str | None = None  # config.json for the plan's shapes when the teacher is elsewhere
+    description: str | None = None  # one line each, the catalogue's (configs.recipe_spec.catalog): what it is,
+    hardware: str | None = None     # the hardware it is sized for,
+    measured: str | None = None     # its wall time and machine as measured, or "not run yet"
     data: Data = field(default_factory=Data)
     parallelism: Parallelism = field(default_factory=Parallelism)
     eval: dict | None = None        # core.data.EvalConfig keys; None: eval.evaluate's defaults
