@@ -1,25 +1,25 @@
-"""The README's result tables, generated from the committed evaluation reports with one command.
+"""The docs' result tables, generated from the committed evaluation reports with one command.
 
-    python -m eval.tables                        # rewrite README.md's tables from results/
-    python -m eval.tables --check                # exit 1 if README.md differs from what results/ gives
-    python -m eval.tables --results results --readme README.md
+    python -m eval.tables                      # rewrite every table in README.md and docs/*.md from results/
+    python -m eval.tables --check              # exit 1 naming each stale file and section
+    python -m eval.tables docs/pruning.md ...  # only these markdown files (every section must be among them)
 
 Layout (results/README.md has the long version):
 
-    results/<section>/section.toml     rows in order: label, report file, the commands that made the artifact
+    results/<section>/section.toml     what the table shows: rows in order (label, report file, the commands
+                                       that made the artifact); a folder without one is not a section
     results/<section>/<row>.json       an eval.evaluate report (--out), committed as written
 
-Each section becomes one markdown table (a row per report; per bucket: PPL, KL mean, KL P99, top-1
-agreement), a line naming the machine(s) and evaluation windows, and the commands of every row (the
-artifact's, from section.toml, then the evaluation's, from the report). It replaces what lies between
+A section is rendered into exactly one markdown file of the list, between
 
     <!-- results:<section> -->
     <!-- /results:<section> -->
 
-in the README; nothing outside the markers is touched. A section without markers, markers without a
-section, or a report in a section folder that section.toml does not list is a one-line error.
+and nothing outside the markers is touched. A section with no markers in any file, markers in two files,
+markers without a section, or a report in a section folder that section.toml does not list is a one-line
+error naming the file and the section.
 
-A section file:
+A section file (`render_section` renders one; `kind` picks how, "evaluations" when absent):
 
     buckets = ["en", "zh", "code"]               # optional: columns and their order (default: all, as found)
 
@@ -27,6 +27,10 @@ A section file:
     label = "SparseGPT 2:4, en+code+zh calibration"
     file = "sparsegpt-2of4-mix.json"
     commands = ["python -m prune.run --method sparsegpt --pattern 2:4 --out runs/smollm2/sparsegpt-2of4-mix"]
+
+The "evaluations" table has a row per report and, per bucket, PPL, KL mean, KL P99 and top-1 agreement; under
+it a line naming the machine(s) and evaluation windows, and the commands of every row (the artifact's, from
+section.toml, then the evaluation's, from the report).
 """
 from __future__ import annotations
 
@@ -35,16 +39,17 @@ import json
 import re
 import sys
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_write_text, read_json
 
 SECTION_FILES = ("section.toml", "section.json")
-NOT_SECTIONS = ("bench",)  # results/bench/: benchmark outputs (speed, memory, GPU smoke), not README tables
-SECTION_KEYS = {"rows", "buckets"}
+SECTION_KEYS = {"kind", "rows", "buckets"}
 ROW_KEYS = {"label", "file", "commands"}
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+MARKER_RE = re.compile(r"<!-- /?results:([^ >]*) -->")
 # (column header, metric key, format) per bucket
 METRICS = (("PPL", "ppl", "{:.2f}"), ("KL mean", "kl_mean", "{:.3f}"), ("KL P99", "kl_p99", "{:.3f}"),
            ("top-1", "top1_agree", "{:.3f}"))
@@ -63,13 +68,49 @@ def one_line_msg(e: Exception) -> str:
     return " ".join(str(e).split())
 
 
-def _read_section_file(path: Path) -> dict:
+def default_files() -> list[Path]:
+    """README.md and every docs/*.md, from the current directory."""
+    return [Path("README.md"), *sorted(Path("docs").glob("*.md"))]
+
+
+# --- a section: its folder and its spec ---------------------------------------------------------------------
+
+def section_file(folder: Path) -> Path | None:
+    """The folder's section.toml or section.json; None if it has neither (not a section)."""
+    found = [folder / n for n in SECTION_FILES if (folder / n).is_file()]
+    if len(found) > 1:
+        raise SmeltError(f"results section {folder.name}: {folder} has both section.toml and section.json")
+    return found[0] if found else None
+
+
+def read_spec(path: Path) -> dict:
     try:
         if path.suffix == ".toml":
-            return tomllib.loads(path.read_text(encoding="utf-8"))
-        return json.loads(path.read_text(encoding="utf-8"))
+            spec = tomllib.loads(path.read_text(encoding="utf-8"))
+        else:
+            spec = json.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
         raise SmeltError(f"{path} does not parse ({one_line_msg(e)})") from None
+    if not isinstance(spec, dict):
+        raise SmeltError(f"{path}: expected a table with 'rows'")
+    return spec
+
+
+def find_sections(results: Path) -> dict[str, tuple[Path, dict]]:
+    """{name: (folder, spec)} of every folder of `results` that holds a section file."""
+    if not results.is_dir():
+        raise SmeltError(f"results folder {results} does not exist")
+    sections = {}
+    for folder in sorted(p for p in results.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        path = section_file(folder)
+        if path is None:
+            continue  # benchmark outputs, evidence folders: cited by the docs, not rendered as tables
+        if not NAME_RE.fullmatch(folder.name):
+            raise SmeltError(f"results section {folder.name!r}: names are letters, digits, '_', '-', '.'")
+        sections[folder.name] = (folder, read_spec(path))
+    if not sections:
+        raise SmeltError(f"{results} has no sections (folders with a section.toml)")
+    return sections
 
 
 def _as_commands(value, where: str) -> list[str]:
@@ -80,67 +121,46 @@ def _as_commands(value, where: str) -> list[str]:
     raise SmeltError(f"{where}: 'commands' must be a string or a list of strings")
 
 
-def load_section(folder: Path) -> dict:
-    """A section: its name, buckets (or None) and rows [{label, file, commands, report}], in file order."""
-    found = [folder / n for n in SECTION_FILES if (folder / n).is_file()]
-    if len(found) != 1:
-        what = "both section.toml and section.json" if found else "no section.toml or section.json"
-        raise SmeltError(f"results section {folder.name}: {folder} has {what}")
-    path = found[0]
-    spec = _read_section_file(path)
-    if not isinstance(spec, dict):
-        raise SmeltError(f"{path}: expected a table with 'rows'")
+def load_evaluations(folder: Path, spec: dict, where: Path) -> dict:
+    """An "evaluations" section: buckets (or None) and rows [{label, file, commands, report}], in file order."""
     unknown = set(spec) - SECTION_KEYS
     if unknown:
-        raise SmeltError(f"{path}: unknown key(s) {sorted(unknown)} (allowed: {sorted(SECTION_KEYS)})")
+        raise SmeltError(f"{where}: unknown key(s) {sorted(unknown)} (allowed: {sorted(SECTION_KEYS)})")
     rows_spec = spec.get("rows")
     if not isinstance(rows_spec, list) or not rows_spec:
-        raise SmeltError(f"{path}: needs a non-empty list of rows ([[rows]] with label and file)")
+        raise SmeltError(f"{where}: needs a non-empty list of rows ([[rows]] with label and file)")
     buckets = spec.get("buckets")
     if buckets is not None and (not isinstance(buckets, list) or not all(isinstance(b, str) for b in buckets)):
-        raise SmeltError(f"{path}: 'buckets' must be a list of bucket names")
+        raise SmeltError(f"{where}: 'buckets' must be a list of bucket names")
     rows, seen = [], set()
     for i, r in enumerate(rows_spec, 1):
-        where = f"{path} row {i}"
+        at = f"{where} row {i}"
         if not isinstance(r, dict):
-            raise SmeltError(f"{where}: expected a table with label, file and commands")
+            raise SmeltError(f"{at}: expected a table with label, file and commands")
         unknown = set(r) - ROW_KEYS
         if unknown:
-            raise SmeltError(f"{where}: unknown key(s) {sorted(unknown)} (allowed: {sorted(ROW_KEYS)})")
+            raise SmeltError(f"{at}: unknown key(s) {sorted(unknown)} (allowed: {sorted(ROW_KEYS)})")
         label, file = r.get("label"), r.get("file")
         if not isinstance(label, str) or not label.strip():
-            raise SmeltError(f"{where}: needs a 'label'")
+            raise SmeltError(f"{at}: needs a 'label'")
         if not isinstance(file, str) or not file.endswith(".json") or "/" in file or "\\" in file:
-            raise SmeltError(f"{where}: 'file' must name a .json report in {folder} (no directories)")
+            raise SmeltError(f"{at}: 'file' must name a .json report in {folder} (no directories)")
         if file in seen:
-            raise SmeltError(f"{where}: {file} is listed twice")
+            raise SmeltError(f"{at}: {file} is listed twice")
         seen.add(file)
         report_path = folder / file
         if not report_path.is_file():
-            raise SmeltError(f"{where}: {report_path} does not exist")
+            raise SmeltError(f"{at}: {report_path} does not exist")
         report = read_json(report_path, "an eval.evaluate report")
         if not isinstance(report, dict) or not isinstance(report.get("buckets"), dict):
             raise SmeltError(f"{report_path} has no 'buckets' (not an eval.evaluate report?)")
         rows.append({"label": label.strip(), "file": file, "report": report,
-                     "commands": _as_commands(r.get("commands", []), where)})
+                     "commands": _as_commands(r.get("commands", []), at)})
+    # every report in the folder is shown, so no measured number is left out of the docs by accident
     unlisted = sorted(p.name for p in folder.glob("*.json") if p.name not in seen and p.name not in SECTION_FILES)
     if unlisted:
-        raise SmeltError(f"results section {folder.name}: {', '.join(unlisted)} not listed in {path.name}")
-    return {"name": folder.name, "buckets": buckets, "rows": rows}
-
-
-def load_sections(results: Path) -> dict[str, dict]:
-    if not results.is_dir():
-        raise SmeltError(f"results folder {results} does not exist")
-    sections = {}
-    for folder in sorted(p for p in results.iterdir() if p.is_dir() and not p.name.startswith(".")
-                         and p.name not in NOT_SECTIONS):
-        if not NAME_RE.fullmatch(folder.name):
-            raise SmeltError(f"results section {folder.name!r}: names are letters, digits, '_', '-', '.'")
-        sections[folder.name] = load_section(folder)
-    if not sections:
-        raise SmeltError(f"{results} has no sections (folders with a section.toml)")
-    return sections
+        raise SmeltError(f"results section {folder.name}: {', '.join(unlisted)} not listed in {where.name}")
+    return {"buckets": buckets, "rows": rows}
 
 
 def _cell(text: str) -> str:
@@ -179,11 +199,11 @@ def _grouped(rows: list[dict], describe) -> str:
     return "; ".join(f"{text} ({', '.join(labels)})" for text, labels in groups.items())
 
 
-def render_section(section: dict) -> str:
-    """The markdown of one section: table, machine/windows line, commands."""
+def render_evaluations(name: str, section: dict) -> str:
+    """The markdown of an "evaluations" section: table, machine/windows line, commands."""
     rows = section["rows"]
     buckets = section["buckets"] or list(dict.fromkeys(b for r in rows for b in r["report"]["buckets"]))
-    head = ["model"] + [f"{b} {name}" for b in buckets for name, _, _ in METRICS]
+    head = ["model"] + [f"{b} {metric}" for b in buckets for metric, _, _ in METRICS]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for r in rows:
         cells = [_cell(r["label"])]
@@ -196,7 +216,7 @@ def render_section(section: dict) -> str:
     machine = _grouped(rows, lambda r: _machine_line(r["report"].get("machine")))
     windows = _grouped(rows, lambda r: _windows_line(r["report"].get("settings")))
     footnote = (f"{machine[0].upper()}{machine[1:]}; {windows}. Generated by `python -m eval.tables` from "
-                f"`results/{section['name']}/`; commands:")
+                f"`results/{name}/`; commands:")
     lines += ["", footnote, "", "```bash"]
     for r in rows:
         lines.append(f"# {r['label']}")
@@ -206,34 +226,73 @@ def render_section(section: dict) -> str:
     return "\n".join(lines)
 
 
-def _marker_span(text: str, section: str, readme: Path) -> tuple[int, int]:
-    """Offsets of the text between a section's markers (after the start marker's line, up to the end marker)."""
+# kind -> how a section of that kind is read and rendered: (folder, spec, section file) -> markdown
+KINDS: dict[str, Callable[[Path, dict, Path], str]] = {
+    "evaluations": lambda folder, spec, where: render_evaluations(folder.name, load_evaluations(folder, spec, where)),
+}
+
+
+def render_section(folder: Path, spec: dict) -> str:
+    """The generated markdown of one section, from its folder and its spec (section.toml's contents)."""
+    where = section_file(folder) or folder / SECTION_FILES[0]
+    kind = spec.get("kind", "evaluations")
+    if kind not in KINDS:
+        raise SmeltError(f"{where}: kind {kind!r} is not one of {', '.join(sorted(KINDS))}")
+    return KINDS[kind](folder, spec, where)
+
+
+# --- the markdown files ---------------------------------------------------------------------------------------
+
+def _marker_span(text: str, section: str, path: Path) -> tuple[int, int]:
+    """Offsets of the text between a section's markers (after the start marker, up to the end marker)."""
     start, end = start_marker(section), end_marker(section)
     n_start, n_end = text.count(start), text.count(end)
     if n_start == 0 or n_end == 0:
-        raise SmeltError(f"{readme} has no {start} ... {end} markers for results section {section}")
+        raise SmeltError(f"{path} has {start if n_start else end} without its {end if n_start else start} "
+                         f"for results section {section}")
     if n_start > 1 or n_end > 1:
-        raise SmeltError(f"{readme} has results section {section}'s markers more than once")
+        raise SmeltError(f"{path} has results section {section}'s markers more than once")
     i, j = text.index(start) + len(start), text.index(end)
     if j < i:
-        raise SmeltError(f"{readme}: {end} comes before {start}")
+        raise SmeltError(f"{path}: {end} comes before {start}")
     return i, j
 
 
-def update_readme(text: str, sections: dict[str, dict], readme: Path) -> str:
-    """The README text with every section's generated markdown between its markers."""
-    known = set(re.findall(r"<!-- /?results:([^ >]*) -->", text))
-    orphans = sorted(known - set(sections))
-    if orphans:
-        raise SmeltError(f"{readme} has markers for results section {orphans[0]}, which has no "
-                         f"results/{orphans[0]}/section.toml")
-    spans = sorted((*_marker_span(text, name, readme), name) for name in sections)
+def place_sections(texts: dict[Path, str], names: set[str]) -> dict[Path, list[str]]:
+    """{file: the sections whose markers it holds}; every section in exactly one file, every marker a section."""
+    where: dict[str, list[Path]] = {}
+    for path, text in texts.items():
+        found = set(MARKER_RE.findall(text))
+        orphans = sorted(found - names)
+        if orphans:
+            raise SmeltError(f"{path} has markers for results section {orphans[0]}, which has no "
+                             f"results/{orphans[0]}/section.toml")
+        for name in found:
+            where.setdefault(name, []).append(path)
+    for name in sorted(names):
+        paths = where.get(name, [])
+        if not paths:
+            looked = ", ".join(str(p) for p in texts) or "no files"
+            raise SmeltError(f"no markdown file has {start_marker(name)} ... {end_marker(name)} markers for "
+                             f"results section {name} (looked in {looked})")
+        if len(paths) > 1:
+            raise SmeltError(f"results section {name} has markers in both {paths[0]} and {paths[1]}: a section "
+                             f"is rendered in one file")
+    placed: dict[Path, list[str]] = {path: [] for path in texts}
+    for name in sorted(names):
+        placed[where[name][0]].append(name)
+    return placed
+
+
+def update_text(text: str, rendered: dict[str, str], path: Path) -> str:
+    """The file's text with each of `rendered`'s sections between its markers."""
+    spans = sorted((*_marker_span(text, name, path), name) for name in rendered)
     for (_, j, a), (i, _, b) in itertools.pairwise(spans):
         if i < j:
-            raise SmeltError(f"{readme}: the markers of results sections {a} and {b} overlap")
+            raise SmeltError(f"{path}: the markers of results sections {a} and {b} overlap")
     out, pos = [], 0
     for i, j, name in spans:
-        out += [text[pos:i], "\n", render_section(sections[name]), "\n"]
+        out += [text[pos:i], "\n", rendered[name], "\n"]
         pos = j
     out.append(text[pos:])
     return "".join(out)
@@ -245,30 +304,39 @@ def _between(text: str, section: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(prog="python -m eval.tables",
-                        description="Render results/<section>/ into README.md between <!-- results:<section> --> markers.")
+                        description="Render each results/<section>/ between its <!-- results:<section> --> markers "
+                                    "in the markdown files (each section in exactly one of them).")
+    ap.add_argument("files", nargs="*", type=Path,
+                    help="markdown files holding the markers (default: README.md and docs/*.md)")
     ap.add_argument("--results", default="results", help="results folder (default: results)")
-    ap.add_argument("--readme", default="README.md", help="markdown file holding the markers (default: README.md)")
-    ap.add_argument("--check", action="store_true", help="change nothing; exit 1 if the README is not up to date")
+    ap.add_argument("--check", action="store_true", help="change nothing; exit 1 if a file is not up to date")
     args = ap.parse_args(argv)
-    readme = Path(args.readme)
-    if not readme.is_file():
-        raise SmeltError(f"{readme} does not exist")
-    sections = load_sections(Path(args.results))
-    text = readme.read_text(encoding="utf-8")
-    new = update_readme(text, sections, readme)
+    files = list(dict.fromkeys(args.files or default_files()))
+    for path in files:
+        if not path.is_file():
+            raise SmeltError(f"{path} does not exist")
+    sections = find_sections(Path(args.results))
+    rendered = {name: render_section(folder, spec) for name, (folder, spec) in sections.items()}
+    texts = {path: path.read_text(encoding="utf-8") for path in files}
+    placed = place_sections(texts, set(sections))
+    new = {path: update_text(texts[path], {n: rendered[n] for n in names}, path) for path, names in placed.items()}
     if args.check:
-        stale = [name for name in sections if _between(new, name) != _between(text, name)]
-        if stale:
-            print(f"{readme} is stale: results section(s) {', '.join(stale)} differ from {args.results}/ "
+        stale = {path: [n for n in names if _between(new[path], n) != _between(texts[path], n)]
+                 for path, names in placed.items()}
+        stale = {path: names for path, names in stale.items() if names}
+        for path, names in stale.items():
+            print(f"{path} is stale: results section(s) {', '.join(names)} differ from {args.results}/ "
                   f"(run python -m eval.tables)", file=sys.stderr)
+        if stale:
             return 1
-        print(f"{readme} is up to date with {args.results}/ ({len(sections)} section(s))")
+        print(f"{len(sections)} section(s) up to date with {args.results}/ in {len(files)} file(s)")
         return 0
-    if new != text:
-        atomic_write_text(readme, new)
-        print(f"wrote {len(sections)} section(s) into {readme}: {', '.join(sections)}")
-    else:
-        print(f"{readme} already up to date ({len(sections)} section(s))")
+    written = [path for path in files if new[path] != texts[path]]
+    for path in written:
+        atomic_write_text(path, new[path])
+        print(f"wrote {path}: {', '.join(placed[path])}")
+    if not written:
+        print(f"{len(sections)} section(s) already up to date in {len(files)} file(s)")
     return 0
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -115,8 +116,10 @@ def test_tables_render_between_markers_and_check_detects_stale_readme(tmp_path, 
     from eval.tables import main
 
     results, readme = _results(tmp_path)
-    args = ["--results", str(results), "--readme", str(readme)]
-    assert main([*args, "--check"]) == 1 and "prune" in capsys.readouterr().err
+    args = ["--results", str(results), str(readme)]
+    assert main([*args, "--check"]) == 1
+    err = capsys.readouterr().err
+    assert f"{readme} is stale" in err and "prune" in err
     assert main(args) == 0
     text = readme.read_text()
     assert text.startswith("# project\n\nprose above\n\n<!-- results:prune -->\n")
@@ -137,12 +140,67 @@ def test_tables_render_between_markers_and_check_detects_stale_readme(tmp_path, 
     assert main([*args, "--check"]) == 0
 
 
+def _second_section(results):
+    sec = results / "ptq"
+    sec.mkdir()
+    (sec / "section.toml").write_text('[[rows]]\nlabel = "RTN"\nfile = "rtn.json"\n')
+    (sec / "rtn.json").write_text(json.dumps({**_cdf_rep(0.392), "command": "python -m eval.evaluate --out rtn.json"}))
+
+
+def test_tables_render_each_section_into_the_file_holding_its_markers(tmp_path, capsys):
+    from eval.tables import main
+
+    results, readme = _results(tmp_path)
+    _second_section(results)
+    (results / "bench").mkdir()  # a folder without section.toml holds other evidence: not a table
+    (results / "bench" / "speed.json").write_text("{}")
+    page = tmp_path / "docs" / "quantization.md"
+    page.parent.mkdir()
+    page.write_text("# Quantization\n\n<!-- results:ptq -->\n<!-- /results:ptq -->\n")
+    args = ["--results", str(results), str(readme), str(page)]
+    assert main(args) == 0
+    assert "| RTN | 10.39 | 0.392 |" in page.read_text() and "RTN" not in readme.read_text()
+    assert "SparseGPT 2:4" in readme.read_text() and "SparseGPT" not in page.read_text()
+    assert main([*args, "--check"]) == 0
+    # --check names the stale file and its section, and only that one
+    (results / "ptq" / "rtn.json").write_text(json.dumps(_cdf_rep(0.5)))
+    capsys.readouterr()
+    assert main([*args, "--check"]) == 1
+    err = capsys.readouterr().err
+    assert f"{page} is stale: results section(s) ptq differ" in err and str(readme) not in err
+    # with no files named, README.md and docs/*.md of the current directory are read
+    proc = subprocess.run([sys.executable, "-m", "eval.tables", "--results", str(results)], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote docs/quantization.md: ptq" in proc.stdout and "| RTN | 10.50 | 0.500 |" in page.read_text()
+
+
+def test_tables_a_section_is_rendered_in_exactly_one_file(tmp_path):
+    from core.errors import SmeltError
+    from eval.tables import main
+
+    results, readme = _results(tmp_path)
+    page = tmp_path / "page.md"
+    page.write_text("<!-- results:prune -->\n<!-- /results:prune -->\n")
+    before = readme.read_text()
+    with pytest.raises(SmeltError, match=f"results section prune has markers in both {readme} and {page}"):
+        main(["--results", str(results), str(readme), str(page)])
+    assert readme.read_text() == before and "|" not in page.read_text()  # nothing half-written
+    _second_section(results)
+    with pytest.raises(SmeltError, match="no markdown file has <!-- results:ptq --> .* results section ptq"):
+        main(["--results", str(results), str(readme)])
+    page.write_text("<!-- results:ptq -->\n")
+    with pytest.raises(SmeltError, match=f"{page} has <!-- results:ptq --> without its <!-- /results:ptq -->"):
+        main(["--results", str(results), str(readme), str(page)])
+
+
 def test_tables_section_json_and_bad_sections(tmp_path):
     from core.errors import SmeltError
     from eval.tables import main
 
     results, readme = _results(tmp_path)
-    args = ["--results", str(results), "--readme", str(readme)]
+    args = ["--results", str(results), str(readme)]
     sec = results / "prune"
     (sec / "section.toml").unlink()
     (sec / "section.json").write_text(json.dumps({"buckets": ["zh"], "rows": [
@@ -152,23 +210,32 @@ def test_tables_section_json_and_bad_sections(tmp_path):
     with pytest.raises(SmeltError, match="extra.json not listed"):
         main(args)
     (sec / "extra.json").unlink()
+    (sec / "section.toml").write_text(SECTION_TOML)
+    with pytest.raises(SmeltError, match="both section.toml and section.json"):
+        main(args)
+    (sec / "section.json").unlink()
+    (sec / "section.toml").write_text('kind = "histogram"\n' + SECTION_TOML)
+    with pytest.raises(SmeltError, match="section.toml: kind 'histogram' is not one of evaluations"):
+        main(args)
+    (sec / "section.toml").write_text(SECTION_TOML)
     readme.write_text(README + "<!-- results:gone -->\n<!-- /results:gone -->\n")
-    with pytest.raises(SmeltError, match="section gone"):
+    with pytest.raises(SmeltError, match="has markers for results section gone, which has no"):
         main(args)
 
 
 def test_tables_missing_markers_is_a_one_line_error_naming_the_section(tmp_path):
     results, readme = _results(tmp_path)
     readme.write_text("# project\n\nno markers here\n")
-    proc = subprocess.run([sys.executable, "-m", "eval.tables", "--results", str(results), "--readme", str(readme)],
+    proc = subprocess.run([sys.executable, "-m", "eval.tables", "--results", str(results), str(readme)],
                           cwd=ROOT, capture_output=True, text=True, check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("error:") and "<!-- results:prune -->" in proc.stderr and "section prune" in proc.stderr
     assert readme.read_text() == "# project\n\nno markers here\n"
 
 
-def test_committed_readme_matches_results():
-    """README.md's generated tables equal what results/ gives: every README number matches its JSON."""
+def test_committed_docs_match_results():
+    """The generated tables of README.md and docs/*.md equal what results/ gives: every number matches its JSON."""
     from eval.tables import main
 
-    assert main(["--results", str(ROOT / "results"), "--readme", str(ROOT / "README.md"), "--check"]) == 0
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    assert main(["--results", str(ROOT / "results"), *map(str, files), "--check"]) == 0
