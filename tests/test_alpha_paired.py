@@ -1,7 +1,6 @@
-"""scripts/alpha_paired.py: two MTP modules' acceptance compared prompt by prompt (the README's paired figures)."""
+"""eval.alpha_paired (smelt alpha-paired): two MTP modules' acceptance compared prompt by prompt."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -11,11 +10,9 @@ from pathlib import Path
 import pytest
 
 from core.errors import SmeltError
+from eval import alpha_paired
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("alpha_paired", ROOT / "scripts" / "alpha_paired.py")
-alpha_paired = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(alpha_paired)
 
 
 def _run(per_bucket: dict[str, list[float]], new_tokens: int = 64) -> dict:
@@ -48,11 +45,11 @@ def test_the_cli_writes_its_json_and_refuses_a_file_that_is_not_a_benchmark(tmp_
     a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "paired.json"
     a.write_text(json.dumps(_run({"en": [0.2, 0.5]})))
     b.write_text(json.dumps(_run({"en": [0.4, 0.5]})))
-    ok = subprocess.run([sys.executable, "scripts/alpha_paired.py", str(a), str(b), "--out", str(out)], cwd=ROOT,
+    ok = subprocess.run([sys.executable, "-m", "smelt", "alpha-paired", str(a), str(b), "--out", str(out)], cwd=ROOT,
                         capture_output=True, text=True, check=False)
     assert ok.returncode == 0, ok.stderr
     assert json.loads(out.read_text())["paired"]["all"]["diff"] == pytest.approx(0.1)
     b.write_text("{}")
-    bad = subprocess.run([sys.executable, "scripts/alpha_paired.py", str(a), str(b)], cwd=ROOT,
+    bad = subprocess.run([sys.executable, "-m", "smelt", "alpha-paired", str(a), str(b)], cwd=ROOT,
                          capture_output=True, text=True, check=False)
     assert bad.returncode != 0 and "no overall / buckets" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

@@ -1,7 +1,6 @@
-"""scripts/chain_seeds.py: whole chains grouped by setting, each setting's seed scatter (the README's seed control)."""
+"""eval.chain_seeds (smelt chain-seeds): whole chains grouped by setting, each setting's seed scatter."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,11 +9,9 @@ from pathlib import Path
 import pytest
 
 from core.errors import SmeltError
+from eval import chain_seeds
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("chain_seeds", ROOT / "scripts" / "chain_seeds.py")
-chain_seeds = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(chain_seeds)
 
 
 def _chain(tmp_path: Path, name: str, kl_en: float, needles: float, buckets=("en", "zh", "code", "news")) -> str:
@@ -29,7 +26,7 @@ def _chain(tmp_path: Path, name: str, kl_en: float, needles: float, buckets=("en
 def test_each_setting_gets_every_chain_and_its_mean_and_range(tmp_path):
     a = ",".join([_chain(tmp_path, "a0", 0.70, 0.97), _chain(tmp_path, "a1", 0.72, 0.88)])
     b = _chain(tmp_path, "b0", 0.71, 0.76)
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "chain_seeds.py"), "--out", str(tmp_path / "s"),
+    subprocess.run([sys.executable, "-m", "smelt", "chain-seeds", "--out", str(tmp_path / "s"),
                     f"default={a}", f"fast={b}"], check=True, cwd=ROOT)
     out = json.loads((tmp_path / "s.json").read_text())
     m = out["settings"]["default"]["summary"]

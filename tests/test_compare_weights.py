@@ -1,4 +1,4 @@
-"""scripts/compare_weights.py: equal tensors in differently-written files are equal; a changed tensor is not."""
+"""eval.compare_weights (smelt compare-weights): equal tensors in differently-written files are equal; a changed tensor is not."""
 import subprocess
 import sys
 from pathlib import Path
@@ -6,11 +6,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "compare_weights.py"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(a, b):
-    return subprocess.run([sys.executable, SCRIPT, a, b], check=False, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "eval.compare_weights", a, b], check=False, capture_output=True, text=True)
 
 
 def test_equal_tensors_pass_and_a_changed_tensor_fails(tmp_path):

@@ -1,7 +1,6 @@
-"""scripts/kl_tail.py: which tokens make a KL tail (copyable bigrams, window positions, teacher certainty, overlap)."""
+"""eval.kl_tail (smelt kl-tail): which tokens make a KL tail (copyable bigrams, window positions, teacher certainty, overlap)."""
 from __future__ import annotations
 
-import importlib.util
 import math
 import subprocess
 import sys
@@ -9,11 +8,9 @@ from pathlib import Path
 
 import torch
 
+from eval import kl_tail
+
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "kl_tail.py"
-_spec = importlib.util.spec_from_file_location("kl_tail", SCRIPT)
-kl_tail = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(kl_tail)
 
 
 def test_a_bigram_seen_earlier_in_its_window_is_copyable_and_not_across_windows():
@@ -52,7 +49,7 @@ def test_overlap_is_the_share_of_the_other_models_tail():
 
 
 def test_a_folder_without_weights_is_refused(tmp_path):
-    r = subprocess.run([sys.executable, SCRIPT, tmp_path, "--out", tmp_path / "x"], check=False, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "eval.kl_tail", tmp_path, "--out", tmp_path / "x"], check=False, capture_output=True,
                        text=True, cwd=ROOT)
     assert r.returncode != 0 and "no model.safetensors" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not list(tmp_path.glob("x*"))

@@ -1,9 +1,8 @@
-"""scripts/mask_agreement.py and scripts/seed_spread.py --reference: how far two pruned artifacts' masks are
-apart, and a setting's seed-by-seed difference from a reference (the README's reading of a numerics change
-against a calibration draw)."""
+"""eval.mask_agreement and eval.seed_spread --reference (smelt mask-agreement, smelt seed-spread): how far two
+pruned artifacts' masks are apart, and a setting's seed-by-seed difference from a reference (a numerics change
+read against a calibration draw)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,19 +12,9 @@ import pytest
 import torch
 
 from core.errors import SmeltError
+from eval import mask_agreement, seed_spread
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-mask_agreement = _load("mask_agreement")
-seed_spread = _load("seed_spread")
 
 
 def _two_of_four(rows: int, groups: int, seed: int) -> torch.Tensor:
@@ -58,7 +47,7 @@ def test_compare_per_block(monkeypatch, tmp_path):
     assert r["per_block"] == {0: 0.0, 1: 0.0, 2: 1.0} and r["changed_share"] == pytest.approx(1 / 3, abs=1e-6)
     with pytest.raises(SmeltError, match="same linears"):
         mask_agreement.compare(Path("a"), Path("c"))
-    bad = subprocess.run([sys.executable, "scripts/mask_agreement.py", "--out", str(tmp_path / "x.json"), "nolabel"],
+    bad = subprocess.run([sys.executable, "-m", "smelt", "mask-agreement", "--out", str(tmp_path / "x.json"), "nolabel"],
                          cwd=ROOT, capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and bad.stderr.strip() == "error: pairs: 'nolabel' is not LABEL:RUN_A=RUN_B"
     assert not (tmp_path / "x.json").exists()
@@ -78,7 +67,7 @@ def test_paired_difference_against_the_reference(tmp_path):
     assert d["se_pct"] == pytest.approx(1.0 / 3 ** 0.5, abs=0.01)  # sd of (2, 1, 3) is 1
     assert d["reference_sd_pct"] == pytest.approx(10.0)
     assert seed_spread.paired(fast, ref)["en"]["kl_mean"]["diff_pct"] == 0
-    out = subprocess.run([sys.executable, "scripts/seed_spread.py", "--out", str(tmp_path / "s"), "--reference",
+    out = subprocess.run([sys.executable, "-m", "smelt", "seed-spread", "--out", str(tmp_path / "s"), "--reference",
                           "nope", f"ref={tmp_path / 'r0.json'}"], cwd=ROOT, capture_output=True, text=True, check=False)
     assert out.returncode == 2 and "--reference 'nope' is none of the settings' labels (ref)" in out.stderr
     assert not (tmp_path / "s").exists()

@@ -1,7 +1,6 @@
-"""scripts/needle_paired.py: prompt-by-prompt comparison of needle grids (the README's retrieval figures)."""
+"""eval.needle_paired (smelt needle-paired): prompt-by-prompt comparison of needle grids."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -11,11 +10,9 @@ from pathlib import Path
 import pytest
 
 from core.errors import SmeltError
+from eval import needle_paired
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("needle_paired", ROOT / "scripts" / "needle_paired.py")
-needle_paired = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(needle_paired)
 
 
 def _grid(correct: list[bool]) -> dict:
@@ -46,16 +43,16 @@ def test_paired_counts_and_refusals(tmp_path):
     a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "paired.json"
     a.write_text(json.dumps(_grid(ref)))
     b.write_text(json.dumps(_grid(other)))
-    ok = subprocess.run([sys.executable, "scripts/needle_paired.py", "--out", str(out), f"ref={a}", f"x={b}"],
+    ok = subprocess.run([sys.executable, "-m", "smelt", "needle-paired", "--out", str(out), f"ref={a}", f"x={b}"],
                         cwd=ROOT, capture_output=True, text=True, check=False)
     assert ok.returncode == 0 and json.loads(out.read_text())["against"]["x"]["all"]["lost"] == 3
-    bad = subprocess.run([sys.executable, "scripts/needle_paired.py", "--out", str(tmp_path / "no.json"), f"ref={a}"],
+    bad = subprocess.run([sys.executable, "-m", "smelt", "needle-paired", "--out", str(tmp_path / "no.json"), f"ref={a}"],
                          cwd=ROOT, capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and bad.stderr.strip() == "error: grids: give at least two LABEL=needle.json"
     assert not (tmp_path / "no.json").exists()
     empty = tmp_path / "empty.json"
     empty.write_text("{}")
-    none = subprocess.run([sys.executable, "scripts/needle_paired.py", "--out", str(tmp_path / "no.json"), f"ref={a}",
+    none = subprocess.run([sys.executable, "-m", "smelt", "needle-paired", "--out", str(tmp_path / "no.json"), f"ref={a}",
                            f"x={empty}"], cwd=ROOT, capture_output=True, text=True, check=False)
     assert none.returncode == 2 and none.stderr.strip() == f"error: grids: {empty} holds no needle prompts (write it with eval.needle --out)"
     assert not (tmp_path / "no.json").exists()

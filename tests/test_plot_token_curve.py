@@ -1,11 +1,11 @@
-"""scripts/plot_token_curve.py: a plot from evaluation JSON, and one-line errors for a bad series."""
+"""experiments/plot_token_curve.py: a plot from evaluation JSON, and one-line errors for a bad series."""
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "plot_token_curve.py"
+SCRIPT = ROOT / "experiments" / "plot_token_curve.py"
 
 
 def _eval(path: Path, kl: float) -> str:

@@ -1,4 +1,4 @@
-"""scripts/ppl_vs_kl.py: a bucket's log PPL ratio against its KL mean, the line through the origin (README, issue 16)."""
+"""experiments/ppl_vs_kl.py: a bucket's log PPL ratio against its KL mean, the line through the origin."""
 from __future__ import annotations
 
 import importlib.util
@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("ppl_vs_kl", ROOT / "scripts" / "ppl_vs_kl.py")
+_spec = importlib.util.spec_from_file_location("ppl_vs_kl", ROOT / "experiments" / "ppl_vs_kl.py")
 ppl_vs_kl = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ppl_vs_kl)
 

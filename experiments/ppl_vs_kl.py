@@ -1,8 +1,8 @@
 """How a bucket's PPL ratio to the teacher follows its KL mean, over many evaluations of compressed models.
 
-    python scripts/ppl_vs_kl.py --out results/reconstruct/ppl-vs-kl results/reconstruct
+    python experiments/ppl_vs_kl.py --out results/reconstruct/ppl-vs-kl results/reconstruct
 
-Why: issue 16 sets targets on both (release en PPL <= 1.35x the teacher's, KL mean <= 0.45), and one chain's en PPL
+Why: a target can be set on both (release en PPL <= 1.35x the teacher's, KL mean <= 0.45), and one chain's en PPL
 did not move while its KL fell. The log PPL ratio is the student's cross-entropy minus the teacher's on the text,
 which equals the KL only where the text is drawn from the teacher; this measures how close it is here. Per
 bucket: a least-squares line through the origin, log(ppl / teacher_ppl) = slope * kl_mean, its correlation, and

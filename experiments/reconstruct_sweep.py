@@ -1,8 +1,8 @@
 """Sweep a block fit's lrs and epochs on a few blocks, capturing the teacher's MLP inputs once.
 
-    python scripts/reconstruct_sweep.py --artifact runs/smollm2-refit-default/pruned-2of4 --blocks 0,14,29 \
+    python experiments/reconstruct_sweep.py --artifact runs/smollm2-refit-default/pruned-2of4 --blocks 0,14,29 \
         --runs 3e-5:4,1e-4:4,3e-4:4 --out results/bench/reconstruct/lr-sweep-1.json
-    python scripts/reconstruct_sweep.py --artifact runs/smollm2-recon/gptq-2of4 --runs 1e-4:4:1e-4 --out ...
+    python experiments/reconstruct_sweep.py --artifact runs/smollm2-recon/gptq-2of4 --runs 1e-4:4:1e-4 --out ...
 
 A pruned artifact's fit is exactly what `python -m prune.reconstruct --blocks ... --lr L --epochs E` does (same
 windows, same seed); a quantized one's (it has qparams.safetensors) what `python -m qat.reconstruct --inputs teacher

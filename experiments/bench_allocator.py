@@ -1,8 +1,8 @@
 """Peak RSS and time of one one-shot stage under glibc allocator settings, interleaved repeats: the same
 command, only GLIBC_TUNABLES differs, so the artifact must be byte-identical (checked by hash) and what moves
-is how much freed memory glibc keeps. Read by README (issue 15, "Peak memory between identical runs").
+is how much freed memory glibc keeps.
 
-    .venv/bin/python scripts/bench_allocator.py --runs /tmp/alloc --out results/bench/oneshot-allocator \
+    .venv/bin/python experiments/bench_allocator.py --runs /tmp/alloc --out results/bench/oneshot-allocator \
         --variant default= --variant mmap8MiB=glibc.malloc.mmap_threshold=8388608 --repeats 2 \
         -- -m prune.run --method sparsegpt --pattern 2:4 --calib-forward bfloat16 --calib-hessian bfloat16 \
         --calib-true-sequential

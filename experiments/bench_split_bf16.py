@@ -4,7 +4,7 @@ fp32 tensors through oneDNN's bf16 math mode (inputs rounded inside the matmul, 
 x·W ≈ hi(x)·hi(W) + hi(x)·lo(W) + lo(x)·hi(W) in that mode (three bf16 products, fp32 sums), which keeps about
 16 bits of each operand. Run it on an idle machine; it writes one JSON.
 
-    python scripts/bench_split_bf16.py --out results/bench/oneshot-seeds-wanda-6/split-bf16.json
+    python experiments/bench_split_bf16.py --out results/bench/oneshot-seeds-wanda-6/split-bf16.json
 """
 from __future__ import annotations
 

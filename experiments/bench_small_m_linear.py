@@ -1,12 +1,12 @@
-"""Why a 2-token verification costs ~2 decode steps on some CPUs (issue 13): F.linear at a few rows.
+"""Why a 2-token verification costs ~2 decode steps on some CPUs: F.linear at a few rows.
 
 Median microseconds of F.linear(x[M, in], W[out, in]) for M = 1, 2, 3, 4, 8 on SmolLM2's shapes (q/o, gate/up,
 down, the output head), fp32 and bf16; also M=2 as two M=1 calls ('2xgemv'), and every M as (W @ x.T).T
 ('mv_T M'; 'mv_T' alone is M=2): the forms among which models.generate.small_m_linears picks, per machine.
 The cases of one shape run interleaved (core.device.interleaved_seconds), after one warm-up round.
 
-    python scripts/bench_small_m_linear.py --out results/bench/mtp/small-m-linear.json
-    python scripts/bench_small_m_linear.py --shapes 4096x576,8192x576,16384x576 --dtypes float32 \
+    python experiments/bench_small_m_linear.py --out results/bench/mtp/small-m-linear.json
+    python experiments/bench_small_m_linear.py --shapes 4096x576,8192x576,16384x576 --dtypes float32 \
         --out results/bench/mtp/small-m-linear-draft-heads.json   # restricted draft heads (--draft-vocab)
 """
 import argparse
@@ -58,7 +58,7 @@ def main() -> None:
             rows.append({"dtype": str(dt).removeprefix("torch."), "out": out, "in": inn, "median_us": us})
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"command": shlex.join(["python", "scripts/bench_small_m_linear.py", *sys.argv[1:]]),
+            json.dump({"command": shlex.join(["python", "experiments/bench_small_m_linear.py", *sys.argv[1:]]),
                        "machine": machine_record(), "rows": rows}, f, indent=1)
 
 

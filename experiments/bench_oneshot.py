@@ -4,7 +4,7 @@ settings interleaved so machine drift hits them alike; the table gives each sett
 time as a ratio to the first setting (today's default), its peak RSS, and its evaluation against the
 teacher (per-bucket KL mean / P99, PPL) next to the first setting's.
 
-    .venv/bin/python scripts/bench_oneshot.py --runs runs/oneshot --out results/bench/oneshot \
+    .venv/bin/python experiments/bench_oneshot.py --runs runs/oneshot --out results/bench/oneshot \
         [--stages sparsegpt,wanda,gptq] [--settings float32/float64,float32/float32,bfloat16/float64,bfloat16/float32]
         [--stage-settings wanda=float32/float64,bfloat16/float64] [--repeats 1] [--windows 128]
 

@@ -1,6 +1,6 @@
 """Seconds per optimizer step of training runs, from torchtitan's structured logs (rank 0).
 
-    python scripts/step_times.py RUN_DIR [RUN_DIR ...] [--skip 1] [--json OUT]
+    python experiments/step_times.py RUN_DIR [RUN_DIR ...] [--skip 1] [--json OUT]
 
 RUN_DIR is a trainer's --dump_folder. Per run: steps, median / mean step seconds (step_start -> step_end;
 the first --skip steps left out: they include lazy initialisation), the checkpoint saves' total seconds and
@@ -48,7 +48,7 @@ def summary(run: Path, skip: int = 1) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python scripts/step_times.py", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python experiments/step_times.py", description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--skip", type=int, default=1, help="leading steps left out of the median (default 1)")
     ap.add_argument("--json", type=Path, help="also write {run: summary} here")

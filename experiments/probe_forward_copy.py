@@ -3,7 +3,7 @@ same calibration windows in fp32 (the reference), as a whole-bf16 copy (residual
 core.forward_copy (linears bf16, residual stream and norms fp32); the last hidden state's relative error and
 the logits' KL to the fp32 run, and the block time, interleaved over repeats (the median is reported).
 
-    python scripts/probe_forward_copy.py --windows 16 --repeats 2 --out results/bench/forward-copy/probe.json
+    python experiments/probe_forward_copy.py --windows 16 --repeats 2 --out results/bench/forward-copy/probe.json
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Issue 15: does the transposed OBS column sweep change what GPTQ optimises? The layer-wise loss
+"""Does the transposed OBS column sweep change what GPTQ optimises? The layer-wise loss
 tr(ΔW H ΔWᵀ) of GPTQ W4 g64 (act-order) with the sweep of commit 82536b8 and with this checkout's, on the
 real teacher's first 3 blocks (16 calibration windows of the recipe's mix).
 
-    python scripts/check_sweep_equivalence.py > results/bench/oneshot-amd/sweep-equivalence.txt
+    python experiments/check_sweep_equivalence.py > results/bench/oneshot-amd/sweep-equivalence.txt
 """
 import subprocess
 import sys

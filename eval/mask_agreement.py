@@ -4,19 +4,18 @@ change (same calibration windows, another dtype) from a draw (another calibratio
 inputs in both runs, so its share is the numerics' own effect; later blocks add what the sequential calibration
 carried on.
 
-    python scripts/mask_agreement.py --out results/bench/oneshot-seeds-wanda-6/mask-agreement.json \
+    smelt mask-agreement --out results/bench/oneshot-seeds-wanda-6/mask-agreement.json \
         bf16-vs-today:runs/seeds-ns/today-seed1=runs/seeds-ns/bf16-seed1 ...
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
 
 import torch
 
-from core.errors import SmeltError, run_cli
+from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_write_text
 from core.masks import load_masks
 
@@ -50,11 +49,11 @@ def compare(dir_a: Path, dir_b: Path) -> dict:
             "per_block": {b: round(c / t, 6) for b, (c, t) in sorted(blocks.items())}}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
+def main(argv: list[str] | None = None) -> None:
+    ap = ArgumentParser(prog="python -m eval.mask_agreement", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="JSON to write")
     ap.add_argument("pairs", nargs="+", help="LABEL:RUN_A=RUN_B (artifact directories)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     result = {}
     for item in args.pairs:
         label, sep, rest = item.partition(":")

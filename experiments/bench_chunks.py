@@ -1,6 +1,6 @@
 """Token chunk size of the [tokens x vocab] fp32 row passes: evaluation statistics and the distillation loss.
 
-    python scripts/bench_chunks.py [--tokens 2044] [--vocab 49152] [--repeats 3] [--out JSON]
+    python experiments/bench_chunks.py [--tokens 2044] [--vocab 49152] [--repeats 3] [--out JSON]
 
 eval.metrics.per_token_stats and distill.losses.DistillLoss (forward + backward, bf16 logits) at 1,024
 tokens a chunk (the former setting) against core.kl.chunk_tokens' choice for this device, interleaved;
@@ -23,7 +23,7 @@ from eval.metrics import per_token_stats
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python scripts/bench_chunks.py", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python experiments/bench_chunks.py", description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=2044, help="evaluation rows (one batch of 4 x 511)")
     ap.add_argument("--loss-tokens", type=int, default=512, help="loss rows (one micro-batch of 2 x 256)")
     ap.add_argument("--vocab", type=int, default=49152)

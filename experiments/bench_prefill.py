@@ -1,6 +1,6 @@
 """The two prefill changes behind eval.needle's (and every sampler's) speed, side by side in one process.
 
-    python scripts/bench_prefill.py [--teacher smollm2-135m] [--batch 2] [--length 2048] [--repeats 3] \
+    python experiments/bench_prefill.py [--teacher smollm2-135m] [--batch 2] [--length 2048] [--repeats 3] \
         [--out results/bench/prefill.json]
 
 - head: a cached prefill with the output head over every prompt position (what sampling did) against the
@@ -27,7 +27,7 @@ from models.teacher import resolve_teacher
 
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python scripts/bench_prefill.py", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python experiments/bench_prefill.py", description=__doc__.split("\n")[0])
     ap.add_argument("--teacher", default="smollm2-135m")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--length", type=int, default=2048)

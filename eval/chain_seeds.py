@@ -2,7 +2,7 @@
 its needle retrieval, every seed and each setting's mean and range, so that a setting is judged against the
 scatter of its own seeds rather than against one chain.
 
-    python scripts/chain_seeds.py --out results/bench/recipe-calib-settings/pruner-seeds \
+    smelt chain-seeds --out results/bench/recipe-calib-settings/pruner-seeds \
         default=smollm2-gptqbf16:runs/A/evals/qat-2of4.json:needle400/A.json,... bf16=...
 
 Each setting is LABEL=CHAIN,CHAIN,...; a chain is NAME:EVAL:NEEDLE, EVAL the release's eval.evaluate JSON and
@@ -11,7 +11,6 @@ and OUT.png (needles against en KL mean, one marker per chain, one colour per se
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 
@@ -20,7 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from core.errors import SmeltError, run_cli
+from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_path, atomic_write_text, read_json
 
 BUCKETS = ("en", "zh", "code", "news")
@@ -61,11 +60,11 @@ def summary(chains: dict[str, dict]) -> dict:
             for k in keys if k != "needle_prompts"}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = ArgumentParser(prog="python -m eval.chain_seeds", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="path stem: OUT.json and OUT.png")
     ap.add_argument("settings", nargs="+", help="LABEL=NAME:EVAL:NEEDLE,NAME:EVAL:NEEDLE,...")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     settings = dict(parse_setting(s) for s in args.settings)
     result = {"what": __doc__.split("\n\n")[0], "buckets": list(BUCKETS),
               "settings": {label: {"chains": chains, "summary": summary(chains)} for label, chains in settings.items()}}

@@ -1,6 +1,6 @@
 """How SparseGPT 2:4 calibration scales on this machine, and what that predicts for 8B and 70B teachers.
 
-    .venv/bin/python scripts/bench_scaling.py --runs runs/scaling --out results/bench/scaling \
+    .venv/bin/python experiments/bench_scaling.py --runs runs/scaling --out results/bench/scaling \
         [--windows 32,64,128,256] [--layers 10,20,30] [--forward bfloat16]
 
 Each point is the real stage (`prune.run --method sparsegpt --pattern 2:4 --max-memory ...`, streamed)

@@ -1,7 +1,7 @@
 """Minutes per recipe stage from a recipe run's console log with a wall-clock time before every line.
 
     ./scripts/recipe.sh 2>&1 | while IFS= read -r l; do printf '%s %s\n' "$(date +%H:%M:%S)" "$l"; done > LOG
-    python scripts/recipe_timeline.py LOG [--time-v TIME_V.txt] [--json OUT]
+    smelt timeline LOG [--time-v TIME_V.txt] [--json OUT]        # or: python -m eval.timeline ...
 
 Each stage starts at its `== name [kind]` line and ends where the next one starts (the last at the log's
 last line); its evaluation is the part from its `python -m eval.evaluate` command on. --time-v adds
@@ -9,11 +9,12 @@ last line); its evaluation is the part from its `python -m eval.evaluate` comman
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
-import sys
 from pathlib import Path
+
+from core.errors import ArgumentParser, SmeltError, run_cli
+from core.files import atomic_write_text
 
 LINE = re.compile(r"^(\d\d):(\d\d):(\d\d) (.*)$")
 STAGE = re.compile(r"^== (\S+) \[(\w+)\]")
@@ -39,7 +40,7 @@ def timeline(text: str) -> dict:
         elif stages and rest.startswith("$ python -m eval.evaluate") and stages[-1]["kind"] != "evaluate":
             stages[-1]["eval"] = t
     if not stages:
-        raise SystemExit("error: no `== name [kind]` stage lines with a HH:MM:SS prefix in the log")
+        raise SmeltError("log: no `== name [kind]` stage lines with a HH:MM:SS prefix in the log")
     out = []
     for i, st in enumerate(stages):
         end = stages[i + 1]["start"] if i + 1 < len(stages) else stamps[-1]
@@ -58,10 +59,10 @@ def time_v(text: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python scripts/recipe_timeline.py", description=__doc__.split("\n")[0])
-    ap.add_argument("log", type=Path)
+    ap = ArgumentParser(prog="python -m eval.timeline", description=__doc__.split("\n")[0])
+    ap.add_argument("log", type=Path, help="the recipe's console log, HH:MM:SS before every line")
     ap.add_argument("--time-v", type=Path, help="/usr/bin/time -v's output file for the same run")
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=Path, help="also write the timeline here")
     args = ap.parse_args(argv)
     result = timeline(args.log.read_text(errors="replace"))
     if args.time_v:
@@ -70,8 +71,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{s['stage']:<10} {s['kind']:<8} work {s['work_min']:6.2f} min  evaluation {s['evaluation_min']:5.2f} min")
     print(f"total {result['total_min']:.2f} min, of which evaluation {result['evaluation_min']:.2f}")
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        atomic_write_text(args.json, json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main)

@@ -1,20 +1,21 @@
 """Where a bucket's KL tail sits: which tokens make a model's per-token KL P99, and whether they stay the same.
 
-    python scripts/kl_tail.py --bucket en --out results/bench/kl-tail/en \\
-        runs/qlr/pruned-2of4 runs/qlr/recovered-2of4 runs/qlr/qat-2of4
+    smelt kl-tail --bucket en --out results/bench/kl-tail/en \\
+        runs/smollm2/pruned-2of4 runs/smollm2/recovered-2of4 runs/smollm2/qat-2of4
+    python -m eval.kl_tail ...                                   # the same
 
-Why: issue 16's release target is en KL P99 <= 3.0, and every lever so far moved the P99 far less than the mean.
-For each model, over the evaluation's windows (eval.evaluate's, the teacher's cached log-probs), the tokens at or
-above its P99 are described by: their share of the KL (mass), the window positions they sit at (a tail of
-short-context tokens would be the windows' doing, not the model's), how sure the teacher was (its top-1
+The P99 of the per-token KL moves far less than its mean under pruning, recovery and QAT; this says which tokens
+make it. For each model, over the evaluation's windows (eval.evaluate's, the teacher's cached log-probs), the
+tokens at or above its P99 are described by: their share of the KL (mass), the window positions they sit at (a
+tail of short-context tokens would be the windows' doing, not the model's), how sure the teacher was (its top-1
 probability), how often the model's top-1 differs there, how many could be copied from earlier in the window
 (the bigram seen before: induction's work, which 2:4 pruning of attention could break), the next tokens most
-often in it, and how much of each model's tail is also the first model's (a tail that persists from the one-shot model through recovery and QAT is
-text the 2:4 model lost, not noise the training could average away). Writes <out>.json and <out>.png.
+often in it, and how much of each model's tail is also the first model's (a tail that persists from the one-shot
+model through recovery and QAT is text the 2:4 model lost, not noise the training could average away). Writes
+<out>.json and <out>.png.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import sys
@@ -30,7 +31,7 @@ from safetensors import safe_open
 
 from core.data import eval_windows
 from core.device import default_device
-from core.errors import SmeltError
+from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_write_text
 from eval.evaluate import teacher_logprobs_file, token_stats
 from models.hf_io import load_hf, load_tokenizer
@@ -96,8 +97,8 @@ def _teacher_maxp(lp_path: Path, n_windows: int, batch: int) -> torch.Tensor:
     return torch.cat(maxp)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = ArgumentParser(prog="python -m eval.kl_tail", description=__doc__.split("\n")[0])
     ap.add_argument("models", nargs="+", type=Path, help="HF model directories; the first is the overlap's reference")
     ap.add_argument("--teacher", default=DEFAULT_TEACHER)
     ap.add_argument("--bucket", default="en")
@@ -106,14 +107,14 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--top", type=int, default=15, help="next tokens listed from each tail")
     ap.add_argument("--out", type=Path, required=True, help="writes <out>.json and <out>.png")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     for flag, value, low in (("--windows", args.windows, 1), ("--seq-len", args.seq_len, 2),
                              ("--batch-size", args.batch_size, 1), ("--top", args.top, 0)):
         if value < low:
-            sys.exit(f"error: {flag}={value} must be >= {low}")
+            raise SmeltError(f"{flag}={value} must be >= {low}")
     for d in args.models:
         if not (d / "model.safetensors").is_file():
-            sys.exit(f"error: models: {d} has no model.safetensors")
+            raise SmeltError(f"models: {d} has no model.safetensors")
     teacher_dir = resolve_teacher(args.teacher)
     tok = load_tokenizer(teacher_dir)
     windows = eval_windows(tok, args.bucket, args.windows, args.seq_len)
@@ -125,7 +126,7 @@ def main() -> None:
     copy = copyable(windows)
 
     report = {"bucket": args.bucket, "windows": len(windows), "seq_len": args.seq_len, "teacher": str(teacher_dir),
-              "command": " ".join(["python", "scripts/kl_tail.py", *sys.argv[1:]]), "models": {}}
+              "command": " ".join(["python -m eval.kl_tail", *(sys.argv[1:] if argv is None else argv)]), "models": {}}
     tails = {}
     for d in args.models:
         model = load_hf(d).to(default_device()).eval()
@@ -183,7 +184,4 @@ def _plot(report: dict, path: Path) -> None:
     tmp.replace(path)
 
 if __name__ == "__main__":
-    try:
-        main()
-    except SmeltError as e:
-        sys.exit(f"error: {e}")
+    run_cli(main)

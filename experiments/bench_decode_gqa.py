@@ -1,7 +1,7 @@
 """Cached decoding with grouped-query attention read from the cache in place against the cache repeated per
 query head, side by side in one process on the real model.
 
-    python scripts/bench_decode_gqa.py [--teacher smollm2-135m] [--batches 64,1] [--context 192] [--steps 16] \
+    python experiments/bench_decode_gqa.py [--teacher smollm2-135m] [--batches 64,1] [--context 192] [--steps 16] \
         [--repeats 3] [--out results/bench/decode-gqa.json]
 
 Each case fills a KV cache with `context` tokens, then times `steps` one-token decoding steps (greedy, the
@@ -59,7 +59,7 @@ def decode_steps(model, prompt: torch.Tensor, steps: int, attend) -> tuple[float
 
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python scripts/bench_decode_gqa.py", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python experiments/bench_decode_gqa.py", description=__doc__.split("\n")[0])
     ap.add_argument("--teacher", default="smollm2-135m")
     ap.add_argument("--batches", default="64,1", help="comma-separated batch sizes")
     ap.add_argument("--context", type=int, default=192, help="cached tokens before the timed steps")

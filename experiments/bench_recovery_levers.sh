@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Recovery levers side by side (issue 16): each lever distils the same 2:4 start with the recipe's
+# Recovery levers side by side: each lever distils the same 2:4 start with the recipe's
 # recovery budget, then is evaluated against the teacher. Levers are arguments:
 #   fixed   masks frozen at the pruner's choice (the recipe's recovery)
 #   srste   masks re-selected by latent magnitude until 75% of the steps (train.masks)
@@ -17,7 +17,7 @@
 #           $RUNS/cache-topK with the teacher in DTYPE; its build time goes into the lever's JSON)
 # Env: START (the 2:4 artifact, default runs/smollm2/pruned-2of4), RUNS (default runs/levers),
 #      OUT (default results/bench/recovery-levers), STEPS (default 60), DTYPE (default bfloat16).
-#   scripts/bench_recovery_levers.sh fixed srste hidden
+#   experiments/bench_recovery_levers.sh fixed srste hidden
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"

@@ -1,6 +1,6 @@
 """Two or more needle grids on the same prompts, compared prompt by prompt against the first.
 
-    python scripts/needle_paired.py --out results/bench/X/needle-paired.json default=A.json fast=B.json ...
+    smelt needle-paired --out needle-paired.json default=A.json fast=B.json ...   # or: python -m eval.needle_paired
 
 Each grid must come from `eval.needle` with the same lengths, depths, samples and seed, so prompt i is the same
 needle in the same haystack in every file (checked: name, value, length, depth). Per length and in all: each
@@ -9,11 +9,10 @@ two-sided p-value on them: whether the two models retrieve differently, counting
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 
-from core.errors import SmeltError, run_cli
+from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_write_text, read_json
 
 
@@ -51,11 +50,11 @@ def compare(ref: list[dict], other: list[dict]) -> dict:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
+def main(argv: list[str] | None = None) -> None:
+    ap = ArgumentParser(prog="python -m eval.needle_paired", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="JSON to write")
     ap.add_argument("grids", nargs="+", help="LABEL=needle.json; the first is the reference")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     labelled = [g.partition("=")[::2] for g in args.grids]
     if len(labelled) < 2 or any(not label or not path for label, path in labelled):
         raise SmeltError("grids: give at least two LABEL=needle.json")

@@ -3,18 +3,18 @@
 of α per prompt (B − A) ± its standard error, and how many prompts went up and down. Rounds within one prompt
 are not independent (eval.speculative's alpha_first_se), so the prompt is the unit here too.
 
-    python scripts/alpha_paired.py results/bench/mtp/fuse/base600-g1-vocab8192-p16.json \
-        results/bench/mtp/fuse/fused600-g1-vocab8192-p16.json --out results/bench/mtp/fuse/paired-600.json
+    smelt alpha-paired A.json B.json [--out paired.json]        # or: python -m eval.alpha_paired ...
+
+A and B are `smelt speculative --out` results (eval.speculative) of two MTP modules on the same prompts.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
 from pathlib import Path
 
-from core.errors import SmeltError, run_cli
+from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_write_text
 
 
@@ -47,7 +47,7 @@ def compare(ra: dict, rb: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m eval.alpha_paired", description=__doc__.split("\n\n")[0])
     ap.add_argument("a", help="eval.speculative JSON of the reference module")
     ap.add_argument("b", help="eval.speculative JSON of the module compared with it")
     ap.add_argument("--out", help="write the comparison here as JSON")

@@ -1,6 +1,6 @@
 """KL mean and P99 per bucket against training tokens, one line per series of evaluations of one stage.
 
-    python scripts/plot_token_curve.py --out qat-tokens.png [--ref "float 2:4=recovered.json"] \
+    python experiments/plot_token_curve.py --out qat-tokens.png [--ref "float 2:4=recovered.json"] \
         "QAT from the quantized fit=24576:a.json,98304:b.json,196608:c.json" ["OTHER=..."]
 
 Each series is LABEL=TOKENS:EVAL_JSON,... (eval.evaluate's JSON); points are drawn in token order. Writes the PNG

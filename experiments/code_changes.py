@@ -1,7 +1,7 @@
 """How far a fit moved a quantized artifact: per linear kind, the share of kept weights whose integer code changed
 and the mean relative change of the group scales, between two artifacts on the same grid (qat.qparams format).
 
-    python scripts/code_changes.py runs/smollm2-qathi/gptq-2of4 runs/qrecon/gptq-2of4-fit --json out.json
+    python experiments/code_changes.py runs/smollm2-qathi/gptq-2of4 runs/qrecon/gptq-2of4-fit --json out.json
 """
 import argparse
 import json
