@@ -3,6 +3,7 @@
     python -m eval.evaluate                                  # the teacher against itself (PPL; KL = 0)
     python -m eval.evaluate --model runs/pruned --out runs/pruned/eval.json
     python -m eval.evaluate --model DIR --windows en=32,zh=8,code=8 --seq-len 1024
+    python -m eval.evaluate --model runs/smollm2/release      # a release: decompressed on load (models.load)
 
 The teacher's log-probabilities over the full vocabulary are computed once per (teacher weights,
 windows) and cached under $SMELT_CACHE/teacher_logprobs as fp16 safetensors. fp16 is enough: KL's
@@ -34,6 +35,7 @@ from core.tracking import log_evaluation
 from eval.metrics import cat_stats, per_token_stats, summarize
 from eval.needle import run_needle
 from models.hf_io import load_hf, load_tokenizer
+from models.load import load_model
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 
 
@@ -129,7 +131,7 @@ def format_table(report: dict, title: str = "") -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = ArgumentParser(prog="python -m eval.evaluate", description="Evaluate a model against its teacher, per bucket.")
-    ap.add_argument("--model", help="HF model directory to evaluate (default: the teacher itself)")
+    ap.add_argument("--model", help="artifact or release directory to evaluate (default: the teacher itself)")
     ap.add_argument("--teacher", default=DEFAULT_TEACHER, help="registered name, .gguf or HF directory")
     ap.add_argument("--config", help="TOML file with EvalConfig keys")
     ap.add_argument("--seq-len", type=int)
@@ -146,9 +148,12 @@ def main(argv: list[str] | None = None) -> None:
                          "unless WANDB_MODE=online)")
     args = ap.parse_args(argv)
     overrides = {}
-    if args.seq_len:
+    for flag, value, least in (("--seq-len", args.seq_len, 2), ("--batch-size", args.batch_size, 1)):
+        if value is not None and value < least:  # 0 is a value given, not the default
+            raise SmeltError(f"{flag} {value} must be >= {least}")
+    if args.seq_len is not None:
         overrides["seq_len"] = args.seq_len
-    if args.windows:
+    if args.windows is not None:
         overrides["windows"] = parse_windows(args.windows)
     if args.batch_size is not None:
         overrides["batch_size"] = args.batch_size
@@ -157,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_toml(EvalConfig, args.config, overrides) if args.config else build(EvalConfig, overrides)
     teacher_dir = resolve_teacher(args.teacher)
     model_dir = Path(args.model) if args.model else teacher_dir
-    model = load_hf(model_dir).to(default_device())
+    model = load_model(model_dir, device=default_device())
     report = evaluate(model, teacher_dir, cfg, teacher=model if model_dir == teacher_dir else None)
     if args.needle:
         report["needle"] = run_needle(model, load_tokenizer(teacher_dir), NeedleConfig(dtype=cfg.needle_dtype))

@@ -3,6 +3,7 @@
 Perplexity barely notices when a pruned model stops retrieving: this is the ruler for that damage.
 
     python -m eval.needle --model DIR --out needle.json [--png needle.png] [--compare teacher.json ...]
+    python -m eval.needle --model runs/smollm2/release ...    # a release: decompressed on load (models.load)
     python -m eval.evaluate --model DIR --needle ...    # the same, inside the evaluation report
 
 A prompt of exactly `length` tokens (core.needle) is BOS + evaluation text (the bucket's own text:
@@ -37,7 +38,8 @@ from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_path, atomic_write_text, read_json
 from core.needle import NeedleConfig, make_prompts
 from models.generate import sample
-from models.hf_io import load_hf, load_tokenizer
+from models.hf_io import load_tokenizer
+from models.load import load_model
 from models.teacher import DEFAULT_TEACHER, resolve_teacher
 
 
@@ -133,9 +135,27 @@ def _parse_list(text: str, kind, flag: str) -> tuple:
         raise SmeltError(f"{flag} {text!r}: expected comma-separated {kind.__name__} values") from None
 
 
+def needle_config(args) -> NeedleConfig:
+    """The grid the flags ask for; a bad value is one line naming its flag (NeedleConfig's own checks)."""
+    flags = {"lengths": ("--lengths", int), "depths": ("--depths", float), "languages": ("--languages", str),
+             "samples": ("--samples", None), "dtype": ("--dtype", None)}
+    overrides = {}
+    for field, (flag, kind) in flags.items():
+        raw = getattr(args, field)
+        if raw is None:  # not given: the default (0 and "" are given, and checked)
+            continue
+        value = _parse_list(raw, kind, flag) if kind else raw
+        try:
+            build(NeedleConfig, {field: value})
+        except SmeltError as e:
+            raise SmeltError(f"{flag} {raw}: {e}") from None
+        overrides[field] = value
+    return build(NeedleConfig, overrides)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = ArgumentParser(prog="python -m eval.needle", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", help="HF model directory (default: the teacher itself)")
+    ap.add_argument("--model", help="artifact or release directory (default: the teacher itself)")
     ap.add_argument("--teacher", default=DEFAULT_TEACHER, help="whose tokenizer; the default model")
     ap.add_argument("--lengths", help="prompt lengths in tokens, e.g. 256,512,1024,2048")
     ap.add_argument("--depths", help="needle depths in [0, 1], e.g. 0,0.5,1")
@@ -146,16 +166,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--png", help="write the heatmap here")
     ap.add_argument("--compare", nargs="*", default=[], help="other needle JSONs to draw beside this one")
     args = ap.parse_args(argv)
-    overrides = {k: v for k, v in {
-        "lengths": args.lengths and _parse_list(args.lengths, int, "--lengths"),
-        "depths": args.depths and _parse_list(args.depths, float, "--depths"),
-        "languages": args.languages and _parse_list(args.languages, str, "--languages"),
-        "samples": args.samples, "dtype": args.dtype}.items() if v}
-    cfg = build(NeedleConfig, overrides)
+    cfg = needle_config(args)
     others = {Path(p).stem: read_json(p, "a needle JSON") for p in args.compare}  # checked before the run
     teacher_dir = resolve_teacher(args.teacher)
     model_dir = Path(args.model) if args.model else teacher_dir
-    model = load_hf(model_dir).to(default_device()).eval()
+    model = load_model(model_dir, device=default_device()).eval()
     result = run_needle(model, load_tokenizer(teacher_dir), cfg)
     result.update(model=str(model_dir), machine=machine_record(),
                   command=shlex.join(["python", "-m", "eval.needle", *(sys.argv[1:] if argv is None else argv)]))

@@ -2,6 +2,7 @@
 per second, against plain cached greedy decoding in the same run.
 
     python -m eval.speculative --model runs/smollm2/qat-2of4 --gamma 1 --out results/bench/mtp/spec.json
+    python -m eval.speculative --model runs/smollm2/release  # a release: decompressed on load (models.load)
 
 Prompts: `--prompts` per evaluation bucket (en, zh, code), each BOS + `--prompt-len` tokens of the bucket's
 text at a seeded offset. Every prompt is decoded greedily `--new-tokens` tokens twice, plain
@@ -39,8 +40,9 @@ from core.device import machine_record
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_write_text
 from models.generate import sample, small_m_linears
-from models.hf_io import load_hf, load_tokenizer
-from models.mtp import load_mtp, mtp_metadata
+from models.hf_io import load_tokenizer
+from models.load import load_model, load_model_mtp
+from models.mtp import mtp_metadata
 from models.speculative import (
     DraftVocab,
     acceptance_summary,
@@ -82,7 +84,7 @@ def step_costs(model, heads, prompt: torch.Tensor, gamma: int, repeats: int = 20
 @torch.no_grad()  # a decorator, not set_grad_enabled: main() also runs inside other processes (tests)
 def main(argv: list[str] | None = None) -> None:
     ap = ArgumentParser(prog="python -m eval.speculative", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True, help="artifact directory with mtp.safetensors")
+    ap.add_argument("--model", required=True, help="artifact or release directory with mtp.safetensors")
     ap.add_argument("--teacher", default=DEFAULT_TEACHER, help="tokenizer source when the model has none")
     ap.add_argument("--gamma", type=int, default=1, help="drafted tokens per round (<= the MTP depth)")
     # 16, not 4: rounds within one prompt are not independent, and 4 prompts per bucket gave alpha 0.600 where
@@ -110,13 +112,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SmeltError(f"--gamma {args.gamma} must be >= 1")
     if args.prompts < 1 or args.prompt_len < 2 or args.new_tokens < 1:
         raise SmeltError("--prompts >= 1, --prompt-len >= 2 and --new-tokens >= 1 are required")
-    model = load_hf(args.model).eval()
     meta = mtp_metadata(args.model)
     if meta is None:
         raise SmeltError(f"--model {args.model}: no mtp.safetensors (train one with the mtp stage)")
     if args.gamma > int(meta["depth"]):
         raise SmeltError(f"--gamma {args.gamma} exceeds the MTP depth {meta['depth']} of {args.model}")
-    heads = load_mtp(args.model, model, check_fingerprint=not args.any_main_model)
+    model = load_model(args.model)
+    heads = load_model_mtp(args.model, model, any_main_model=args.any_main_model)
     tok_dir = args.model if (Path(args.model) / "tokenizer.json").is_file() else resolve_teacher(args.teacher)
     tokenizer = load_tokenizer(tok_dir)
     draft_vocab, vocab_record = _draft_vocab(model, tokenizer, args)

@@ -20,8 +20,9 @@ from core.data import bucket_prompts
 from core.errors import ArgumentParser, run_cli
 from core.files import atomic_write_text
 from kernels.linear import KernelLinear
-from kernels.release_model import dense_reference, is_release, kernel_model, pruned_model
+from kernels.release_model import dense_reference, kernel_model, pruned_model
 from models.hf_io import load_tokenizer
+from models.load import is_release
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Pass bounds per kernel dtype: mean KL(reference || kernels) over positions, and top-1 agreement.
