@@ -19,7 +19,8 @@ and nothing outside the markers is touched. A section with no markers in any fil
 markers without a section, or a report in a section folder that section.toml does not list is a one-line
 error naming the file and the section.
 
-A section file (`render_section` renders one; `kind` picks how, "evaluations" when absent):
+A section file (`render_section` renders one; `kind` picks how: "evaluations" when absent, or "chain", one chain's
+headline table, eval.chain_table):
 
     buckets = ["en", "zh", "code"]               # optional: columns and their order (default: all, as found)
 
@@ -44,6 +45,7 @@ from pathlib import Path
 
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_write_text, read_json
+from eval import chain_table
 
 SECTION_FILES = ("section.toml", "section.json")
 SECTION_KEYS = {"kind", "rows", "buckets"}
@@ -229,6 +231,8 @@ def render_evaluations(name: str, section: dict) -> str:
 # kind -> how a section of that kind is read and rendered: (folder, spec, section file) -> markdown
 KINDS: dict[str, Callable[[Path, dict, Path], str]] = {
     "evaluations": lambda folder, spec, where: render_evaluations(folder.name, load_evaluations(folder, spec, where)),
+    "chain": lambda folder, spec, where: chain_table.render_chain(folder.name,
+                                                                  chain_table.load_chain(folder, spec, str(where))),
 }
 
 

@@ -195,6 +195,22 @@ def test_tables_a_section_is_rendered_in_exactly_one_file(tmp_path):
         main(["--results", str(results), str(readme), str(page)])
 
 
+def test_tables_render_a_chain_section_through_its_kind(tmp_path):
+    from eval.tables import main
+
+    results, readme = _results(tmp_path)
+    sec = results / "current"
+    sec.mkdir()
+    (sec / "section.toml").write_text('kind = "chain"\nbuckets = ["en"]\n\n[[rows]]\nlabel = "teacher"\n'
+                                      'file = "teacher.json"\n\n[[rows]]\nlabel = "release"\nfile = "qat.json"\n')
+    (sec / "teacher.json").write_text(json.dumps(_cdf_rep(0.0)))
+    (sec / "qat.json").write_text(json.dumps(_cdf_rep(0.388)))
+    (sec / "qat.manifest.json").write_text("{}")  # a chain folder holds its evidence, not only listed reports
+    readme.write_text(README + "<!-- results:current -->\n<!-- /results:current -->\n")
+    assert main(["--results", str(results), str(readme)]) == 0
+    assert "| release | 0.388 / 1.94 | 10.39 (1.04×) |" in readme.read_text()
+
+
 def test_tables_section_json_and_bad_sections(tmp_path):
     from core.errors import SmeltError
     from eval.tables import main
@@ -215,7 +231,7 @@ def test_tables_section_json_and_bad_sections(tmp_path):
         main(args)
     (sec / "section.json").unlink()
     (sec / "section.toml").write_text('kind = "histogram"\n' + SECTION_TOML)
-    with pytest.raises(SmeltError, match="section.toml: kind 'histogram' is not one of evaluations"):
+    with pytest.raises(SmeltError, match="section.toml: kind 'histogram' is not one of chain, evaluations"):
         main(args)
     (sec / "section.toml").write_text(SECTION_TOML)
     readme.write_text(README + "<!-- results:gone -->\n<!-- /results:gone -->\n")
