@@ -148,7 +148,7 @@ def needle_config(args) -> NeedleConfig:
         try:
             build(NeedleConfig, {field: value})
         except SmeltError as e:
-            raise SmeltError(f"{flag} {raw}: {e}") from None
+            raise SmeltError(f"{flag} {raw!r}: {e}") from None
         overrides[field] = value
     return build(NeedleConfig, overrides)
 

@@ -10,7 +10,7 @@ import torch
 from conftest import ROOT, tiny_config
 
 from core.data import BUCKETS, corpus_tokens
-from core.errors import SmeltError
+from core.errors import SmeltError, run_cli
 from core.needle import NeedleConfig, make_prompts
 from eval import needle
 from eval.needle import first_number, run_needle
@@ -101,3 +101,19 @@ def test_cli_refuses_a_bad_grid_before_loading_anything(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error: --lengths '64,abc': expected comma-separated int values"]
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--samples", "0"], "--samples 0: needle samples=0 must be an integer >= 1"),  # 0 is not "the default"
+    (["--samples", "-2"], "--samples -2: needle samples=-2 must be an integer >= 1"),
+    (["--lengths", "32,256"], "--lengths '32,256': needle lengths=[32, 256] must be integers >= 64"),
+    (["--lengths", ""], "--lengths '': expected comma-separated int values"),
+    (["--depths", "0,1.5"], "--depths '0,1.5': needle depths=[0.0, 1.5] must be numbers in [0, 1]"),
+    (["--languages", ""], "--languages '': needle languages=['']: each one of en, zh"),
+])
+def test_cli_counts_lengths_and_lists_out_of_range_are_one_line_naming_the_flag(argv, message, tmp_path, capsys):
+    out = tmp_path / "x.json"
+    with pytest.raises(SystemExit) as e:
+        run_cli(lambda: needle.main([*argv, "--out", str(out)]))
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines() == [f"error: {message}"]
+    assert not out.exists()
