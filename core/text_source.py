@@ -4,7 +4,8 @@
   wikitext2-valid+code-train   project training corpora (core.data), '+'-joined; evaluation corpora refused
   path/to/file-or-folder       local .txt, .jsonl/.json or .parquet files (one kind per source); the files
                                of the evaluation corpora (or byte-identical copies) are refused
-  hf:<name>[:<config>]         a hub dataset, streamed (clusters; never loaded by the tests)
+  hf:<name>[:<config>]         a hub dataset, streamed (clusters; never loaded by the tests); a hub that
+                               cannot be reached is one line saying so, not the client's traceback
 
 Each source becomes a `datasets` IterableDataset read with streaming=True, split between data-parallel
 ranks with `split_dataset_by_node`, and tokenized on the fly. `PackedTextStream.next_batch(b)` returns
@@ -29,9 +30,11 @@ tensors, because DCP loads tensors in place, which needs the saved shape, and th
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, NoReturn
@@ -52,7 +55,7 @@ from core.data import (
     read_corpus,
     split_corpora,
 )
-from core.errors import SmeltError
+from core.errors import SmeltError, one_line
 
 if TYPE_CHECKING:  # datasets (with pyarrow: 0.1 GiB of RSS) loads only where a stream is built, not for
     import datasets  # every stage that imports this module for its settings
@@ -176,6 +179,33 @@ def _pieces(text: str) -> list[str]:
     return out + ["".join(cur)] if cur else out
 
 
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """What the hub clients raise when the network fails: OSError covers ConnectionError (datasets' own,
+    huggingface_hub's offline and HTTP errors, requests, aiohttp); httpx's transport errors are not OSErrors."""
+    try:
+        import httpx
+    except ImportError:  # pragma: no cover - huggingface_hub >= 1 depends on it
+        return (OSError,)
+    return (OSError, httpx.TransportError)
+
+
+@contextlib.contextmanager
+def hub_access(config: TextSourceConfig) -> Iterator[None]:
+    """Around every read of an `hf:` source: a hub that cannot be reached, or a dataset it does not have, is
+    one SmeltError line naming the source (the clients' own errors come after retries, as long tracebacks)."""
+    from datasets.exceptions import DatasetNotFoundError
+
+    try:
+        yield
+    except DatasetNotFoundError as e:
+        config.fail("source", f"{config.source}: not found on the Hugging Face Hub, or gated ({one_line(e)})")
+    except _network_errors() as e:
+        name = config.source[3:].partition(":")[0]
+        config.fail("source", f"{config.source} could not be reached ({type(e).__name__}: {one_line(e)}); compute "
+                              f"nodes often have no internet: download it on a machine with internet (hf download {name} "
+                              f"--repo-type dataset --local-dir DIR) and give DIR as the source")
+
+
 def build_dataset(config: TextSourceConfig) -> tuple[str, datasets.IterableDataset]:
     """The source as one streaming dataset (not yet split between ranks) and its kind."""
     import datasets
@@ -183,7 +213,8 @@ def build_dataset(config: TextSourceConfig) -> tuple[str, datasets.IterableDatas
     kind, what = config.resolve()
     if kind == "hf":
         name, cfg = what
-        return kind, datasets.load_dataset(name, cfg, split=config.split, streaming=True)
+        with hub_access(config):
+            return kind, datasets.load_dataset(name, cfg, split=config.split, streaming=True)
     if kind != "corpus":
         extra = {"sample_by": config.sample_by} if kind == "text" else {}  # a line document: no "\n"
         files = {config.split: [str(f) for f in what]}
@@ -210,6 +241,7 @@ class PackedTextStream:
         self.rank, self.world = dp_rank, dp_world_size
         self.bos = bos_id(tokenizer)
         kind, self._base = build_dataset(config)
+        self._kind = kind
         if kind == "hf" and self._base.num_shards % dp_world_size:
             # split_dataset_by_node then has every rank read every shard and keep 1/world of the examples.
             _log.warning("%s has %d shards, not a multiple of %d data-parallel ranks: every rank downloads and "
@@ -241,7 +273,12 @@ class PackedTextStream:
             ds.set_epoch(1 + self.config.seed * 100003 + self.epoch)  # shard order per (seed, epoch)
         if ds_state is not None:
             ds.load_state_dict(ds_state)
-        self._ds, self._it, self._ds_state, self._read = ds, iter(ds), ds_state, False
+        with self._reading():
+            self._ds, self._it, self._ds_state, self._read = ds, iter(ds), ds_state, False
+
+    def _reading(self):
+        """hub_access for an `hf:` source (its shards are read over the network as the stream goes)."""
+        return hub_access(self.config) if self._kind == "hf" else contextlib.nullcontext()
 
     def _tokens(self, example: dict) -> list[int]:
         if self._field not in example:
@@ -259,7 +296,8 @@ class PackedTextStream:
         size = self.config.shuffle_buffer
         while True:
             try:
-                example = next(self._it)
+                with self._reading():
+                    example = next(self._it)
             except StopIteration:
                 if self._epoch_docs == 0:  # an empty epoch would loop for ever
                     self.config.fail("source", f"{self.config.source} has no text for data-parallel rank "

@@ -6,6 +6,7 @@ import io
 import json
 import re
 import shutil
+import time
 
 import datasets
 import pyarrow as pa
@@ -203,6 +204,32 @@ def test_hub_source_builds_the_streaming_call_without_network(monkeypatch, byte_
     assert docs_of(read_text(byte_tokenizer, s, 2))[0] == DOCS[0]
     stream(byte_tokenizer, "hf:some/dataset", text_field="content", split="validation")
     assert calls[-1] == (("some/dataset", None), {"split": "validation", "streaming": True})
+
+
+def test_an_unreachable_hub_source_is_one_line_naming_it(monkeypatch, byte_tokenizer):
+    """There is no network here, so a hub source fails for real; offline mode makes the clients fail at once
+    instead of after their retries (about 30 s)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    start = time.perf_counter()
+    with pytest.raises(SmeltError, match=r"^calibration\.source: hf:nobody/nothing:sub could not be reached "
+                                         r"\(ConnectionError: Couldn't reach 'nobody/nothing' on the Hub .*\); compute "
+                                         r"nodes often have no internet: .*\(hf download nobody/nothing --repo-type "
+                                         r"dataset --local-dir DIR\) and give DIR as the source$") as e:
+        ts.calibration_source_windows("hf:nobody/nothing:sub", byte_tokenizer, 2, 16)
+    assert "\n" not in str(e.value) and time.perf_counter() - start < 10
+
+    def lost():  # the connection drops while the stream reads a shard
+        raise ConnectionError("Connection reset by peer")
+        yield
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: datasets.IterableDataset.from_generator(lost))
+    s = stream(byte_tokenizer, "hf:some/dataset", shuffle_buffer=0)
+    with pytest.raises(SmeltError, match=r"^--dataloader\.source: hf:some/dataset could not be reached "
+                                         r"\(ConnectionError: Connection reset by peer\); compute nodes"):
+        s.next_batch(1)
 
 
 def test_calibration_takes_any_source_and_still_refuses_evaluation_text(tmp_path, byte_tokenizer):
