@@ -364,21 +364,21 @@ def test_a_self_text_stage_runs_skips_and_feeds_an_mtp_stage(capfd, tmp_path, ti
 
 
 SELF_TEXT_BAD = [
-    (["--set", "stages.mtp.source=prune"], "stages[5].source 'prune' is a prune stage"),
-    (["--set", "stages.mtp.source=qat-text"], "stages[5].source 'qat-text' is a later stage"),
-    (["--set", "stages.mtp.source=/no/such.jsonl"], "stages[5].source: --dataloader.source: path /no/such.jsonl"),
-    (["--set", "stages.mtp.teacher_cache=cache"], "stages[5]: source and teacher_cache together"),
-    (["--set", "stages.mtp.source=mtp"], "stages[5].source 'mtp' is this stage"),
-    (["--set", "stages.realign.source=verify"], "stages[9].source 'verify' is a later stage"),
-    (["--set", "stages.realign.source=heads"], "stages[9].source 'heads' is a heads stage"),
-    (["--set", "stages.self-text.out=recovered-2of4"], "stages[4].out: {run}/recovered-2of4 is stage 'recover''s output"),
-    (["--set", "stages.self-text.corpus=wikitext2-test"], "stages[4].corpus: training corpus 'wikitext2-test' is not"),
-    (["--set", "stages.self-text.prompts=1"], "stages[4].prompts=1 is fewer than the 2 corpora"),
-    (["--set", "stages.self-text.temperature=-1.0"], "stages[4].temperature=-1.0 must be >= 0"),
-    (["--set", "stages.self-text.corpus=/tmp/text.jsonl"], "stages[4].corpus '/tmp/text.jsonl': prompts come from"),
-    (["--set", "stages.self-text.prompt_len=1"], "stages[4].prompt_len=1 must be >= 2 (BOS and at least one"),
-    (["--set", "stages.self-text.prompts=0"], "stages[4].prompts=0 must be >= 1"),
-    (["--set", "stages.self-text.needle=true"], "stages[4].needle: a self_text stage is not evaluated"),
+    (["--set", "stages.mtp.source=prune"], "stages[6].source 'prune' is a prune stage"),
+    (["--set", "stages.mtp.source=qat-text"], "stages[6].source 'qat-text' is a later stage"),
+    (["--set", "stages.mtp.source=/no/such.jsonl"], "stages[6].source: --dataloader.source: path /no/such.jsonl"),
+    (["--set", "stages.mtp.teacher_cache=cache"], "stages[6]: source and teacher_cache together"),
+    (["--set", "stages.mtp.source=mtp"], "stages[6].source 'mtp' is this stage"),
+    (["--set", "stages.realign.source=verify"], "stages[11].source 'verify' is a later stage"),
+    (["--set", "stages.realign.source=heads"], "stages[11].source 'heads' is a heads stage"),
+    (["--set", "stages.self-text.out=recovered-2of4"], "stages[5].out: {run}/recovered-2of4 is stage 'recover''s output"),
+    (["--set", "stages.self-text.corpus=wikitext2-test"], "stages[5].corpus: training corpus 'wikitext2-test' is not"),
+    (["--set", "stages.self-text.prompts=1"], "stages[5].prompts=1 is fewer than the 2 corpora"),
+    (["--set", "stages.self-text.temperature=-1.0"], "stages[5].temperature=-1.0 must be >= 0"),
+    (["--set", "stages.self-text.corpus=/tmp/text.jsonl"], "stages[5].corpus '/tmp/text.jsonl': prompts come from"),
+    (["--set", "stages.self-text.prompt_len=1"], "stages[5].prompt_len=1 must be >= 2 (BOS and at least one"),
+    (["--set", "stages.self-text.prompts=0"], "stages[5].prompts=0 must be >= 1"),
+    (["--set", "stages.self-text.needle=true"], "stages[5].needle: a self_text stage is not evaluated"),
 ]
 
 
@@ -399,7 +399,7 @@ def test_missing_input_is_one_line_at_run_time(capsys, tmp_path, tiny_model_dir)
     run = tmp_path / "run"
     base = [RECIPES / "debug.toml", "--set", f"teacher={tiny_model_dir}", "--set", f"run_dir={run}"]
     code, _, err = _cli(capsys, *base, "--stage", "recover")
-    assert code == 2 and f"input {run}/pruned-2of4 does not exist" in err and err.count("\n") == 1
+    assert code == 2 and f"input {run}/reconstructed-2of4 does not exist" in err and err.count("\n") == 1
     # an MTP stage whose main model exists but whose text (the self-text stage's) was never written
     code, _, err = _cli(capsys, *base, "--stage", "mtp", "--set", f"stages.mtp.input={tiny_model_dir}")
     assert code == 2 and f"input {run}/self-text/text.jsonl does not exist" in err and err.count("\n") == 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from conftest import ROOT
-from test_recipe import RECIPE_WINDOWS, _cli, _dry_run
+from test_recipe import _cli, _dry_run
 
 from models.hf_io import config_to_hf
 from models.llama import FLAVORS
@@ -14,38 +14,32 @@ RECIPES = ROOT / "configs" / "recipes"
 
 
 def test_smollm2_mtp_recipe_is_the_default_chain_plus_its_mtp_stages(capsys, tmp_path):
-    """smollm2-cpu-mtp.toml: every stage of the default recipe with the same command (its own run_dir; GPTQ
-    reads the artifact that carries the module; no refit, no reconstruction, QAT at its config's lr for 24 steps, recovery
-    and QAT on the configs' 4 x 256-token windows, as it was measured before the default took them), and the four MTP
-    stages on the texts their main models wrote."""
+    """smollm2-cpu-mtp.toml extends the default: every stage of the default recipe with the same commands and
+    evaluations (GPTQ reads the artifact that carries the module, the release the re-aligned one), and the four
+    MTP stages on the texts their main models wrote."""
     smol = tmp_path / "smollm2-config"
     smol.mkdir()
     (smol / "config.json").write_text(json.dumps(config_to_hf(FLAVORS["smollm2-135m"])))
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     _, default = _dry_run(capsys, RECIPES / "smollm2-cpu.toml", tmp_path / "a", "--teacher-config", smol,
-                          "--set", f"run_dir={tmp_path}/run", "--set", "stages.prune.refit=none")
+                          "--set", f"run_dir={tmp_path}/run")
     _, mtp = _dry_run(capsys, RECIPES / "smollm2-cpu-mtp.toml", tmp_path / "b", "--teacher-config", smol,
                       "--set", f"run_dir={tmp_path}/run")
     base, stages = {s["name"]: s for s in default["stages"]}, {s["name"]: s for s in mtp["stages"]}
-    assert list(stages) == ["teacher", "heads", "prune", "recover", "self-text", "mtp", "quantize", "qat",
-                            "qat-text", "realign", "release", "verify", "report"]
+    assert list(stages) == ["teacher", "heads", "prune", "reconstruct", "recover", "self-text", "mtp", "quantize",
+                            "qreconstruct", "qat", "qat-text", "realign", "release", "verify", "report"]
+    assert [n for n in stages if n in base] == list(base)
     run = f"{tmp_path}/run"
-    windows = f" {RECIPE_WINDOWS}"  # the configs' 4 x 256 there
-    moved = {"recover": [(f"--student {run}/reconstructed-2of4 ", f"--student {run}/pruned-2of4 "), (windows, "")],
-             "quantize": [(f"--artifact {run}/recovered-2of4", f"--artifact {run}/mtp-2of4")],
-             "release": [(f"--artifact {run}/qat-2of4 ", f"--artifact {run}/qat-2of4-mtp ")],
-             "qat": [(f"--student {run}/gptq-2of4-fit ", f"--student {run}/gptq-2of4 "),
-                     (" --optimizer.param-groups.0.optimizer-kwargs.lr 0.00024", ""),  # the config's lr there
-                     (windows, ""), ("--training.steps 214 ", "--training.steps 24 ")]}  # its 24 steps
-    unmeasured = ("reconstruct", "qreconstruct")  # the MTP chain keeps what it was measured with
-    assert all(n in base and n not in stages for n in unmeasured)
-    for name, want in ((n, w) for n, w in base.items() if n not in unmeasured):
-        cmds = want["commands"]
-        for old, new in moved.get(name, []):
-            cmds = [c.replace(old, new) for c in cmds]
-        assert cmds == stages[name]["commands"], name
+    moved = {"quantize": (f"--artifact {run}/recovered-2of4 ", f"--artifact {run}/mtp-2of4 "),
+             "release": (f"--artifact {run}/qat-2of4 ", f"--artifact {run}/qat-2of4-mtp ")}
+    for name, want in base.items():
+        old, new = moved.get(name, ("", ""))
+        assert [c.replace(old, new) for c in want["commands"]] == stages[name]["commands"], name
         assert want["evaluation"] == stages[name]["evaluation"], name
+    # its own run_dir unless overridden, and its own catalogue line
+    _, own = _dry_run(capsys, RECIPES / "smollm2-cpu-mtp.toml", tmp_path / "b", "--teacher-config", smol)
+    assert own["recipe"] == "smollm2-cpu-mtp" and own["run_dir"] == "runs/smollm2-mtp"
     assert stages["self-text"]["tokens"] == 1280 * 128 and stages["qat-text"]["tokens"] == 1280 * 128
     assert "--prompt-len 128 " in stages["self-text"]["commands"][0] and "--seed 2 " in stages["qat-text"]["commands"][0]
     # KL to the main model only, on text half of which is real: the realign stage at its lower lr
@@ -57,11 +51,11 @@ def test_smollm2_mtp_recipe_is_the_default_chain_plus_its_mtp_stages(capsys, tmp
     assert stages["mtp"]["evaluation"] is None and stages["realign"]["evaluation"] is None
     # the release keeps the QAT'd main model's evaluation (the realign stage trains only the module)
     assert stages["release"]["commands"][0].endswith(f"--metrics {run}/evals/qat-2of4.json")
-    # re-aligning with modules for other blocks would fail only at its load, after the mtp, quantize and qat stages
+    # re-aligning with modules for other blocks would fail only at its load, hours into the chain
     code, _, err = _cli(capsys, RECIPES / "smollm2-cpu-mtp.toml", "--dry-run", "--teacher-config", smol, "--set",
                         "stages.realign.config=smollm2_mtp_realign_kl")
     assert code == 2 and err.strip().splitlines()[-1].endswith(
-        "stages[9].config 'smollm2_mtp_realign_kl' builds modules reading main-model blocks [] (mtp.fuse_layers); "
+        "stages[11].config 'smollm2_mtp_realign_kl' builds modules reading main-model blocks [] (mtp.fuse_layers); "
         "the module it continues, stage 'mtp''s, reads [2, 15, 27]"), err
     _dry_run(capsys, RECIPES / "smollm2-cpu-mtp.toml", tmp_path / "b", "--teacher-config", smol, "--set",
              "stages.mtp.config=smollm2_mtp_kl", "--set", "stages.realign.config=smollm2_mtp_realign_kl")
