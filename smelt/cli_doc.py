@@ -97,24 +97,24 @@ def other_entry_points() -> list[tuple[str, str]]:
     return out
 
 
+INTRO = ("Written by `smelt cli-doc` from the commands' own argparse parsers; `smelt cli-doc --check` (a test) "
+         "fails when this page is stale. Every `smelt SUB` is also `python -m MODULE` with the same arguments; "
+         "`smelt SUB --help` prints what is below. Bad input is one line, `error: ...`, exit status 2 "
+         "(`SMELT_TRACEBACK=1` shows the traceback).")
+OTHERS = ("Modules run with `python -m` that are no `smelt` command: benchmarks, the training ranks' entry point "
+          "(`smelt train` starts it under torchrun), data fetches, the generators of docs pages.")
+
+
 def render() -> str:
     with fixed_width():
-        lines = ["# Command-line reference", "",
-                 "Written by `smelt cli-doc` from the commands' own argparse parsers; `smelt cli-doc --check` (a test) "
-                 "fails when this page is stale. Every `smelt SUB` is also `python -m MODULE` with the same "
-                 "arguments; `smelt SUB --help` prints what is below. Bad input is one line, `error: ...`, exit "
-                 "status 2 (`SMELT_TRACEBACK=1` shows the traceback).", "",
-                 "```", overview(), "```", "",
+        lines = ["# Command-line reference", "", INTRO, "", "```", overview(), "```", "",
                  "| command | runs | what it does |", "|---|---|---|"]
         lines += [f"| [`smelt {c.name}`](#smelt-{c.name}) | `python -m {c.module}` | {_cell(c.summary)} |"
                   for c in COMMANDS.values()]
         lines.append("")
         for command in COMMANDS.values():
             lines += section(command)
-    lines += ["## Other entry points", "",
-              "Modules run with `python -m` that are no `smelt` command: benchmarks, the training ranks' entry point "
-              "(`smelt train` starts it under torchrun), data fetches.", "",
-              "| module | what it is |", "|---|---|"]
+    lines += ["## Other entry points", "", OTHERS, "", "| module | what it is |", "|---|---|"]
     lines += [f"| `python -m {m}` | {_cell(doc)} |" for m, doc in other_entry_points()]
     return "\n".join(lines) + "\n"
 

@@ -17,8 +17,10 @@ from conftest import ROOT
 
 # Which project packages each folder may import. `core` is the ground floor; `configs` and `models` sit
 # directly on it; stages stand side by side; `train` may use the losses and fake quantization it trains;
-# nothing imports `train`.
+# nothing imports `train`. `smelt` (the console command) is the top floor: it may import every package and
+# nothing imports it.
 FLOORS = {"core", "configs", "models"}
+PACKAGES = {"core", "configs", "models", "prune", "distill", "qat", "eval", "kernels", "train", "smelt"}
 ALLOWED = {
     "core": {"core"},
     "configs": {"core", "configs"},
@@ -29,7 +31,9 @@ ALLOWED = {
     "eval": FLOORS | {"eval"},
     "kernels": FLOORS | {"kernels"},
     "train": FLOORS | {"distill", "qat", "train"},
+    "smelt": PACKAGES,
 }
+USER_SCRIPTS = ["constraints.txt", "env.sh", "gpu_smoke.sh", "recipe.sh", "test.sh"]  # what users run
 
 
 def project_imports(path: Path) -> list[tuple[int, str]]:
@@ -61,13 +65,23 @@ def test_folders_import_only_the_floors_below_them():
     assert layer_violations(ROOT) == []
 
 
+def test_scripts_holds_only_user_tools_and_every_experiment_has_its_paragraph():
+    assert sorted(p.name for p in (ROOT / "scripts").iterdir()) == USER_SCRIPTS
+    readme = (ROOT / "experiments" / "README.md").read_text(encoding="utf-8")
+    experiments = sorted(p.name for p in (ROOT / "experiments").iterdir() if p.name != "README.md")
+    assert experiments and [name for name in experiments if f"**`{name}`**" not in readme] == []
+
+
 def test_the_layer_check_names_a_forbidden_import(tmp_path):
     for folder in ALLOWED:
         (tmp_path / folder).mkdir()
     (tmp_path / "eval" / "bad.py").write_text("import os\n\nfrom train.trainer import SmeltTrainer\n")
     (tmp_path / "core" / "worse.py").write_text("def f():\n    from prune import algorithms\n")
+    (tmp_path / "qat" / "cmd.py").write_text("from smelt.cli import COMMANDS\n")  # nothing imports the command
+    (tmp_path / "smelt" / "top.py").write_text("import train.launch\nfrom qat import release\n")  # it imports all
     assert layer_violations(tmp_path) == [
         "core/worse.py:2 imports prune (core/ may import only core)",
+        "qat/cmd.py:1 imports smelt.cli (qat/ may import only configs, core, models, qat)",
         "eval/bad.py:3 imports train.trainer (eval/ may import only configs, core, eval, models)",
     ]
 
