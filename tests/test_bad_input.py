@@ -76,6 +76,35 @@ def test_a_bad_flag_is_one_line_too(tiny_model_dir, tmp_path):
     _one_line_error(_run("qat.release", "--artifact", str(tiny_model_dir)), "--out")
 
 
+def test_train_run_started_directly_reports_bad_config_in_one_line(tmp_path):
+    """torchtitan users start `torchrun -m train.run` themselves: an unknown config or option, or a config the
+    launcher would refuse, is one line from the rank (exit 2) before it logs or writes anything, and torchrun's
+    own failure report names that line as its root cause."""
+    reg = ["--module", "train.config_registry", "--dump_folder", str(tmp_path / "dump")]
+    unknown = "error: unknown option --training.nope (--help lists the options)"
+    cases = {
+        "config": (["-m", "train.run", *reg, "--config", "nope"],
+                   "error: --config 'nope' is not a config of train.config_registry (available: debug_distill, "),
+        "key": (["-m", "train.run", *reg, "--config", "debug_distill", "--training.nope", "3"], unknown),
+        "student": (["-m", "train.run", *reg, "--config", "debug_distill"],
+                    "error: --student '': artifact directory does not exist"),
+        "torchrun": (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "train.run", *reg,
+                      "--config", "debug_distill", "--training.nope", "3"], unknown),
+    }
+    procs = {k: subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=os.environ, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE) for k, (argv, _) in cases.items()}
+    out = {k: p.communicate(timeout=300) for k, p in procs.items()}
+    for k in ("config", "key", "student"):
+        stdout, stderr = out[k]
+        assert procs[k].returncode == 2, stderr[-2000:]
+        assert len(stderr.splitlines()) == 1 and stderr.startswith(cases[k][1]), stderr[-2000:]
+        assert "Traceback" not in stdout + stderr
+    stderr = out["torchrun"][1]
+    assert procs["torchrun"].returncode != 0 and stderr.splitlines()[0] == unknown, stderr[-3000:]
+    assert f"traceback : {unknown}" in stderr  # torchrun's root cause: the rank's line, not a pointer to docs
+    assert not (tmp_path / "dump").exists()
+
+
 def test_traceback_on_request(truncated_dir):
     env = {**os.environ, "SMELT_TRACEBACK": "1"}
     proc = subprocess.run([sys.executable, "-m", "eval.evaluate", "--model", str(truncated_dir), "--teacher",

@@ -7,7 +7,11 @@ Start it through the launcher, which checks the config before any rank starts:
 
 Any Trainer.Config field can be overridden on the command line (`--training.steps 200`).
 `parse_config` is the one parse both use: bad input (unknown config or option, a bad value) is a
-SmeltError with a one-line message.
+SmeltError with a one-line message. Started directly (`torchrun -m train.run ...`, as torchtitan is), each
+rank parses and checks its config (`checked_config`, what the launcher runs) before it logs, writes or
+joins anything, so bad input is still `error: <one line>` from rank 0 and exit status 2 from every rank.
+torchrun then prints its own failure report (its process, not a rank's); the line is also written to
+torchrun's error file, so that report's root cause is that line. `train.launch` reports it alone.
 """
 from __future__ import annotations
 
@@ -17,10 +21,12 @@ import gc
 import importlib
 import inspect
 import io
+import json
 import logging
 import os
 import signal
 import sys
+import time
 from types import ModuleType
 
 import torch
@@ -142,6 +148,30 @@ def parse_config(args: list[str]):
     return config
 
 
+def checked_config(args: list[str]):
+    """parse_config, then the checks that need no model or process group (train.trainer.check_config).
+    What they print to stderr (torchtitan's warnings) is passed on only when both pass."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        config = parse_config(args)
+        # Here, not at the top: train.trainer imports torchtitan, which parse_config's shims must precede.
+        from train.trainer import check_config
+
+        check_config(config)
+    sys.stderr.write(err.getvalue())
+    return config
+
+
+def _tell_torchrun(e: Exception) -> None:
+    """Write a rank's one-line error where torchrun reads a failed rank's error (its report's root cause)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path and isinstance(e, (SmeltError, ValueError, FileNotFoundError)):  # what run_cli reports in one line
+        line = f"error: {one_line(e)}"
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+
+
 def _barrier() -> None:
     """All ranks meet before teardown; NCCL is told its device (guessing it warns, and can pick the wrong one)."""
     nccl = torch.cuda.is_available() and "nccl" in str(torch.distributed.get_backend())
@@ -160,13 +190,17 @@ def main() -> None:
     def train() -> None:
         trainer, finished = None, False
         try:
+            # Checked before the logger starts: torchtitan's warnings while parsing stay with a failed parse.
+            config = checked_config(sys.argv[1:])
             init_logger()
-            config = parse_config(sys.argv[1:])
             sl.init_structured_logger(source="training", output_dir=config.dump_folder,
                                       enable=config.debug.enable_structured_logging)
             trainer = config.build()
             trainer.train()
             finished = True
+        except Exception as e:
+            _tell_torchrun(e)
+            raise
         finally:
             if trainer is not None:
                 trainer.close()
