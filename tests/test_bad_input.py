@@ -76,6 +76,22 @@ def test_a_bad_flag_is_one_line_too(tiny_model_dir, tmp_path):
     _one_line_error(_run("qat.release", "--artifact", str(tiny_model_dir)), "--out")
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--seq-len", "0"], "--seq-len 0 must be >= 2"),  # 0 is a value given, not the default
+    (["--batch-size", "0"], "--batch-size 0 must be >= 1"),
+    (["--windows", "en=0"], "windows >= 1 per bucket"),
+])
+def test_evaluate_counts_given_as_zero_are_refused(argv, message, tmp_path, capsys):
+    from core.errors import run_cli
+    from eval.evaluate import main
+
+    with pytest.raises(SystemExit) as e:
+        run_cli(lambda: main([*argv, "--out", str(tmp_path / "eval.json")]))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error:") and message in err and err.count("\n") == 1
+    assert not (tmp_path / "eval.json").exists()
+
+
 def test_train_run_started_directly_reports_bad_config_in_one_line(tmp_path):
     """torchtitan users start `torchrun -m train.run` themselves: an unknown config or option, or a config the
     launcher would refuse, is one line from the rank (exit 2) before it logs or writes anything, and torchrun's
