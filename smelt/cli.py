@@ -94,6 +94,10 @@ COMMANDS = {c.name: c for c in [
     Command("timeline", "eval.timeline", "minutes per recipe stage from a time-stamped recipe log", ANALYSE),
     Command("tables", "eval.tables", "regenerate the docs' result tables from committed JSON (--check: "
             "stale is an error)", PROJECT),
+    Command("results-index", "eval.results_index", "regenerate results/INDEX.md (--check: a folder no page cites, "
+            "or a cited one missing, is an error)", PROJECT),
+    Command("defaults-history", "eval.defaults_history", "regenerate docs/defaults-history.md's table from "
+            "committed JSON (--check: stale is an error)", PROJECT),
     Command("cli-doc", "smelt.cli_doc", "regenerate docs/cli.md from these parsers (--check: stale is an "
             "error)", PROJECT),
 ]}
