@@ -1,6 +1,6 @@
 """Table and plot of the recovery levers (experiments/bench_recovery_levers.sh's JSON) next to the one-shot start.
 
-    python experiments/plot_recovery_levers.py --start results/bench/recipe-bf16/pruned-2of4.json \
+    python experiments/plot_recovery_levers.py --start runs/smollm2/evals/pruned-2of4.json \
         --dir results/bench/recovery-levers fixed srste hidden
 Writes DIR/levers.md (lever x bucket: PPL, KL mean, KL P99, top-1) and DIR/levers.png (KL mean and P99
 against distillation tokens, per bucket, one line per lever from the one-shot start). `news` is the held-out

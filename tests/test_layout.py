@@ -3,10 +3,12 @@ floors below them (DEVELOPERS.md, "Layout")."""
 from __future__ import annotations
 
 import ast
+import glob
 import hashlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -70,6 +72,9 @@ def test_scripts_holds_only_user_tools_and_every_experiment_has_its_paragraph():
     readme = (ROOT / "experiments" / "README.md").read_text(encoding="utf-8")
     experiments = sorted(p.name for p in (ROOT / "experiments").iterdir() if p.name != "README.md")
     assert experiments and [name for name in experiments if f"**`{name}`**" not in readme] == []
+    cited = {m.rstrip(".,") for m in re.findall(r"results/[\w./*-]+", readme)}  # what each one wrote
+    missing = [c for c in sorted(cited) if not (glob.glob(str(ROOT / c)) or (ROOT / f"{c}.json").is_file())]
+    assert missing == [], "experiments/README.md cites results that are not in the repository"
 
 
 def test_the_layer_check_names_a_forbidden_import(tmp_path):
