@@ -15,12 +15,14 @@ from kernels.matmul import sparse24_matmul, sparse24_w4a16_matmul, w4a16_matmul
 
 
 class KernelLinear(nn.Module):
-    """y = x @ W.T, W in `kind` ("w4", "2:4", "2:4+w4"); rows listed in `dense_idx` take the dense path."""
+    """y = x @ W.T (+ bias), W in `kind` ("w4", "2:4", "2:4+w4"); rows listed in `dense_idx` take the dense path."""
 
-    def __init__(self, in_features: int, out_features: int, kind: str, group_size: int = 0):
+    def __init__(self, in_features: int, out_features: int, kind: str, group_size: int = 0,
+                 bias: torch.Tensor | None = None):
         super().__init__()
         self.in_features, self.out_features, self.kind, self.group_size = in_features, out_features, kind, group_size
         self._paths: list[str] = []  # "w4" / "s24w4" / "s24" / "dense"; with several, each has <path>_rows
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())  # Qwen2's q/k/v
 
     def _add(self, path: str, rows: torch.Tensor | None, **tensors: torch.Tensor) -> None:
         for k, v in tensors.items():
@@ -30,9 +32,10 @@ class KernelLinear(nn.Module):
         self._paths.append(path)
 
     @classmethod
-    def from_release(cls, lin: ReleaseLinear, scale_dtype: torch.dtype = torch.float32) -> KernelLinear:
+    def from_release(cls, lin: ReleaseLinear, scale_dtype: torch.dtype = torch.float32,
+                     bias: torch.Tensor | None = None) -> KernelLinear:
         out, inn = lin.shape
-        m = cls(inn, out, "2:4+w4" if lin.sparse else "w4", lin.group_size)
+        m = cls(inn, out, "2:4+w4" if lin.sparse else "w4", lin.group_size, bias)
         scale = lin.scale.to(scale_dtype)
         if not lin.sparse:
             m._add("w4", None, packed=lin.packed, scale=scale)
@@ -53,10 +56,10 @@ class KernelLinear(nn.Module):
 
     @classmethod
     def from_pruned(cls, weight: torch.Tensor, keep: torch.Tensor, dense_rows: torch.Tensor | None = None,
-                    name: str = "weight") -> KernelLinear:
+                    name: str = "weight", bias: torch.Tensor | None = None) -> KernelLinear:
         """A 2:4 (not quantized) Linear from a pruned artifact: values + metadata in the weight's dtype."""
         out, inn = weight.shape
-        m = cls(inn, out, "2:4")
+        m = cls(inn, out, "2:4", bias=bias)
         dense = dense_rows if dense_rows is not None else torch.zeros(out, dtype=torch.bool)
         sparse_idx, dense_idx = (~dense).nonzero().flatten(), dense.nonzero().flatten()
         values, meta = pack_24(weight[sparse_idx], keep[sparse_idx].bool(), name)
@@ -85,6 +88,8 @@ class KernelLinear(nn.Module):
             y = x2.new_empty(x2.shape[0], self.out_features)
             for path in self._paths:
                 y[:, getattr(self, f"{path}_rows")] = self._run(path, x2)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:

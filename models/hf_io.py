@@ -1,7 +1,8 @@
 """Hugging Face directory <-> our model: config.json + model.safetensors (+ tokenizer files).
 
-Every artifact in the chain is a normal HF Llama directory, so `AutoModelForCausalLM.from_pretrained`
-can open any stage's output and any Llama-family HF checkpoint can be a teacher. Only safetensors are
+Every artifact in the chain is a normal HF directory of its teacher's architecture (Llama, Mistral or
+Qwen2: `ARCHITECTURES`), so `AutoModelForCausalLM.from_pretrained` can open any stage's output and any
+checkpoint of those architectures can be a teacher. Only safetensors are
 read; nothing is unpickled.
 """
 from __future__ import annotations
@@ -18,14 +19,30 @@ from core.hf_names import from_hf_name, layer_index, to_hf_name
 from models.llama import LlamaConfig, Transformer
 
 
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
 def config_to_hf(cfg: LlamaConfig, n_layers: int | None = None) -> dict:
+    """config.json for `cfg` as its own architecture (model_type), so transformers and vLLM build exactly it."""
+    layers = n_layers if n_layers is not None else cfg.n_layers
+    if cfg.model_type not in ARCHITECTURES:
+        raise SmeltError(f"model_type={cfg.model_type!r} is not one of {', '.join(ARCHITECTURES)}")
+    if cfg.qkv_bias != (cfg.model_type == "qwen2"):
+        raise SmeltError(f"model_type={cfg.model_type!r} cannot express qkv_bias={cfg.qkv_bias}")
+    if cfg.sliding_window is not None and cfg.model_type != "mistral":
+        raise SmeltError(f"model_type={cfg.model_type!r} cannot express a model-wide sliding_window")
+    per_type = {
+        "llama": {"attention_bias": False, "mlp_bias": False},
+        "mistral": {"sliding_window": cfg.sliding_window},
+        "qwen2": {"use_sliding_window": False, "sliding_window": None, "max_window_layers": layers},
+    }[cfg.model_type]
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [ARCHITECTURES[cfg.model_type]],
+        "model_type": cfg.model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.dim,
         "intermediate_size": cfg.ffn_hidden,
-        "num_hidden_layers": n_layers if n_layers is not None else cfg.n_layers,
+        "num_hidden_layers": layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim,
@@ -38,20 +55,47 @@ def config_to_hf(cfg: LlamaConfig, n_layers: int | None = None) -> dict:
                             **(cfg.rope_scaling or {})},
         **({"rope_scaling": {"rope_type": "llama3", **cfg.rope_scaling}} if cfg.rope_scaling else {}),
         "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
+        **per_type,
         "bos_token_id": cfg.bos_id,
         "eos_token_id": cfg.eos_id,
         "torch_dtype": "float32",
     }
 
 
+def _sliding_window(d: dict, model_type: str) -> int | None:
+    """Mistral's model-wide window (None: full causal attention); Qwen2's per-layer windows are refused."""
+    if model_type == "qwen2":
+        if d.get("use_sliding_window"):
+            raise SmeltError("config.json: use_sliding_window=true (Qwen2's per-layer sliding window) is not supported")
+    elif model_type == "mistral":
+        window = d.get("sliding_window")
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise SmeltError(f"config.json: sliding_window={window!r} is not a positive integer")
+        return window
+    types = set(d.get("layer_types") or ["full_attention"])
+    if types != {"full_attention"}:
+        raise SmeltError(f"config.json: layer_types {sorted(types)} are not supported (full_attention only)")
+    return None
+
+
 def config_from_hf(d: dict) -> LlamaConfig:
+    """Our config from a Llama, Mistral or Qwen2 config.json; anything the model would compute differently
+    (biases, another activation or RoPE, per-layer windows) is refused naming the field."""
     arch = (d.get("architectures") or ["?"])[0]
-    if d.get("model_type") not in ("llama", "mistral", "qwen2") and arch != "LlamaForCausalLM":
-        raise SmeltError(f"config.json model_type={d.get('model_type')!r} is not a Llama-family model")
-    if d.get("attention_bias") or d.get("mlp_bias"):
-        raise SmeltError("config.json: attention_bias/mlp_bias are not supported by models.llama")
+    model_type = d.get("model_type") or ("llama" if arch == "LlamaForCausalLM" else None)
+    if model_type not in ARCHITECTURES:
+        raise SmeltError(f"config.json model_type={d.get('model_type')!r} is not one of {', '.join(ARCHITECTURES)}")
+    if d.get("mlp_bias"):
+        raise SmeltError("config.json: mlp_bias=true is not supported by models.llama")
+    if d.get("attention_bias") and model_type != "qwen2":  # Llama's puts one on o_proj too
+        raise SmeltError("config.json: attention_bias=true is not supported by models.llama (q/k/v biases: qwen2)")
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise SmeltError(f"config.json: hidden_act={act!r} is not supported (silu)")
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                           "intermediate_size") if k not in d]
+    if missing:
+        raise SmeltError(f"config.json has no {missing[0]!r}")
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
@@ -67,11 +111,13 @@ def config_from_hf(d: dict) -> LlamaConfig:
     eos = d.get("eos_token_id")
     return LlamaConfig(
         dim=d["hidden_size"], n_layers=d["num_hidden_layers"], n_heads=d["num_attention_heads"],
-        n_kv_heads=d.get("num_key_value_heads", d["num_attention_heads"]), vocab_size=d["vocab_size"],
+        n_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"], vocab_size=d["vocab_size"],
         ffn_hidden=d["intermediate_size"], head_dim=d.get("head_dim"), norm_eps=d.get("rms_norm_eps", 1e-6),
-        rope_theta=float(theta), rope_scaling=scaling, max_seq_len=d.get("max_position_embeddings", 2048),
+        rope_theta=float(theta), rope_scaling=scaling,
+        max_seq_len=d.get("max_position_embeddings", 2048),
         tie_embeddings=bool(d.get("tie_word_embeddings", False)), bos_id=d.get("bos_token_id"),
-        eos_id=eos[0] if isinstance(eos, list) else eos,
+        eos_id=eos[0] if isinstance(eos, list) else eos, qkv_bias=model_type == "qwen2",
+        sliding_window=_sliding_window(d, model_type), model_type=model_type,
     )
 
 
@@ -220,9 +266,16 @@ def load_hf(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: s
 
 
 def load_tokenizer(model_dir: str | Path):
+    """The directory's tokenizer. One that declares no BOS token (Qwen2's) gets its config.json's bos_token_id
+    (Qwen2: <|endoftext|>, the separator its pretraining documents start after): every window starts with it."""
     from transformers import AutoTokenizer  # slow to import (seconds); only tokenizer loading needs it
 
     model_dir = Path(model_dir)
     if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
         raise SmeltError(f"{model_dir} has no tokenizer files (tokenizer.json)")
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if tokenizer.bos_token_id is None and (model_dir / "config.json").is_file():
+        bos = read_hf_config(model_dir).get("bos_token_id")
+        if isinstance(bos, int) and 0 <= bos < len(tokenizer):
+            tokenizer.bos_token = tokenizer.convert_ids_to_tokens(bos)
+    return tokenizer

@@ -1,7 +1,7 @@
 """The one model definition every stage uses: a Llama-family decoder.
 
-RMSNorm, RoPE (HF "rotate-half" layout, configurable theta), grouped-query attention, SwiGLU MLP,
-tied or untied embeddings. Parameter names follow torchtitan's llama3 model (tok_embeddings,
+RMSNorm, RoPE (HF "rotate-half" layout, configurable theta), grouped-query attention (optionally with
+q/k/v biases, as Qwen2, and a sliding window, as Mistral), SwiGLU MLP, tied or untied embeddings. Parameter names follow torchtitan's llama3 model (tok_embeddings,
 layers.{i}.attention.wq, feed_forward.w1, norm, output) so torchtitan's FSDP2 / activation-checkpoint
 helpers apply unchanged, and `models.hf_io` maps them to and from Hugging Face names.
 """
@@ -34,6 +34,9 @@ class LlamaConfig:
     tie_embeddings: bool = True
     bos_id: int | None = None
     eos_id: int | None = None
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
+    sliding_window: int | None = None  # each position attends to the last `sliding_window` positions (Mistral)
+    model_type: str = "llama"  # the Hugging Face architecture config.json is written as (models.hf_io)
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -42,6 +45,8 @@ class LlamaConfig:
             self.head_dim = self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be >= 1")
 
     @classmethod
     def from_dict(cls, d: dict) -> LlamaConfig:
@@ -112,13 +117,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rot * sin).to(x.dtype)
 
 
+def window_mask(start: int, new: int, total: int, window: int | None, device) -> torch.Tensor | None:
+    """Which keys [0, total) the queries at positions [start, start + new) see: bool [new, total], key j
+    visible from position p when j <= p and, with a sliding window, p - j < window (HF's convention).
+    None where plain causal attention over all of them is exactly that (SDPA's fused is_causal path)."""
+    if (window is None or total <= window) and start == 0:
+        return None
+    mask = torch.ones(new, total, dtype=torch.bool, device=device).tril(diagonal=start)
+    return mask.triu(diagonal=start - window + 1) if window is not None and total > window else mask
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.window = cfg.sliding_window
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         # Set by head-scoring tools: when True, forward stores the attention probabilities
         # ([B, H, L, L]) on self.last_attn via the explicit (non-fused) path.
@@ -135,20 +151,22 @@ class Attention(nn.Module):
         if cache is not None:
             if self.capture_attn:
                 raise ValueError("capture_attn needs the full-sequence path (no KV cache)")
-            return self.wo(cache.attend(q, k, v).transpose(1, 2).reshape(bsz, seqlen, -1))
+            return self.wo(cache.attend(q, k, v, self.window).transpose(1, 2).reshape(bsz, seqlen, -1))
         rep = self.n_heads // self.n_kv_heads
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
+        mask = window_mask(0, seqlen, seqlen, self.window, x.device)
         if self.capture_attn:
             scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(self.head_dim)
-            causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=x.device).tril()
-            probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+            if mask is None:
+                mask = torch.ones(seqlen, seqlen, dtype=torch.bool, device=x.device).tril()
+            probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
             self.last_attn = probs.detach()
             out = (probs @ v.float()).to(q.dtype)
         else:
             # SDPA has CPU and CUDA forward+backward kernels, so no CPU attention shim is needed.
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -172,7 +190,7 @@ class KVCache:
             raise ValueError(f"cannot truncate a KV cache holding {self.pos} positions to {n}")
         self.pos = n
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
         new, start = k.shape[2], self.pos
         if start + new > self.k.shape[2]:
             raise ValueError(f"KV cache overflow: {start + new} positions > max_len={self.k.shape[2]}")
@@ -184,11 +202,12 @@ class KVCache:
         # repeating the cache per query head, which copied all of it every step and at batch 64 (distill.self_text)
         # cost more than the step's attention (scripts/bench_decode_gqa.py; README, issue 13)
         gqa = q.shape[1] != keys.shape[1]
-        if new > 1 and start == 0:  # a prefill: the fused causal kernel, no [L, L] mask (half the time at 2K)
+        # query i (absolute start + i) sees keys 0..start+i (the last `window` of them with a sliding window)
+        mask = window_mask(start, new, self.pos, window, q.device)
+        if mask is None and new > 1:  # a prefill: the fused causal kernel, no [L, L] mask (half the time at 2K)
             return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
-        mask = None
-        if new > 1:  # query i (absolute start + i) sees keys 0..start+i
-            mask = torch.ones(new, self.pos, dtype=torch.bool, device=q.device).tril(diagonal=start)
+        if new == 1 and (window is None or self.pos <= window):
+            mask = None  # one new token sees every cached key
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
 
 
@@ -242,7 +261,9 @@ class Transformer(nn.Module):
         std = 0.02
         with torch.no_grad():
             for name, p in self.named_parameters():
-                if p.dim() == 1:
+                if name.endswith(".bias"):
+                    p.zero_()
+                elif p.dim() == 1:
                     p.fill_(1.0)
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)

@@ -139,7 +139,9 @@ class MTPHeads(nn.Module):
         with torch.no_grad():
             d = self.cfg.dim
             for name, p in self.named_parameters():  # the full tensor on every rank (same seed), each keeps its shard
-                if p.dim() == 1:
+                if name.endswith(".bias"):  # Qwen2's q/k/v biases
+                    t = torch.zeros(p.shape)
+                elif p.dim() == 1:
                     t = torch.ones(p.shape)
                 elif name.endswith("proj.weight"):  # fused inputs' columns: zeros after the plain module's draw
                     t = torch.cat([torch.randn(d, 2 * d, generator=gen) * std, torch.zeros(d, p.shape[1] - 2 * d)], 1)

@@ -108,6 +108,10 @@ def shrink(model: Transformer, plan: list[dict], n_heads: int, n_kv_heads: int, 
         b.wk.weight.copy_(a.wk.weight[kv])
         b.wv.weight.copy_(a.wv.weight[kv])
         b.wo.weight.copy_(a.wo.weight[:, q])
+        for name, rows in (("wq", q), ("wk", kv), ("wv", kv)):
+            bias = getattr(a, name).bias
+            if bias is not None:  # Qwen2's q/k/v biases: the kept heads' entries
+                getattr(b, name).bias.copy_(bias[rows])
         f, g = old.feed_forward, new.feed_forward
         g.w1.weight.copy_(f.w1.weight[ch])
         g.w3.weight.copy_(f.w3.weight[ch])

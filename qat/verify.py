@@ -291,7 +291,7 @@ def _check_mtp(rel: Path, r: Report, hf_model) -> None:
     try:
         cfg = config_from_hf(json.loads((rel / "config.json").read_text()))
         model = Transformer(cfg)
-        state = {from_hf_name(k): v for k, v in hf_model.state_dict().items() if k.endswith(".weight")}
+        state = {from_hf_name(k): v for k, v in hf_model.state_dict().items() if k.endswith((".weight", ".bias"))}
         missing = set(model.state_dict()) - set(state) - {"output.weight"}
         if missing:
             raise SmeltError(f"the loaded release has no {sorted(missing)[0]}")
