@@ -16,7 +16,8 @@ results/bench/. What cannot be read off the files is kept by hand in results/ind
     machine = "..."                # only where no JSON in the entry records a `machine`
 
 The machine comes from the `machine` records of the entry's JSONs (CPU and cores, GPU if any); the citing pages
-are README.md and docs/**/*.md, scanned for `results/<entry>` paths. The check fails on a stale INDEX.md, an
+are README.md, docs/**/*.md and the top-level folders' README.md (experiments/, slurm/, ...), scanned for
+`results/<entry>` paths. The check fails on a stale INDEX.md, an
 entry no page cites, a page citing an entry (or linking a file) that does not exist, and an entry missing from
 index.toml or described there incompletely. `--stamp` asks git, so only it needs the history; the check does not.
 """
@@ -127,8 +128,11 @@ def machine_of(results: Path, entry: str) -> str:
 
 
 def pages(root: Path) -> list[Path]:
+    """README.md, docs/**/*.md and the README.md of each top-level folder (experiments/, slurm/, ...)."""
     found = [root / "README.md"] if (root / "README.md").is_file() else []
-    return found + sorted((root / "docs").rglob("*.md")) if (root / "docs").is_dir() else found
+    found += sorted((root / "docs").rglob("*.md")) if (root / "docs").is_dir() else []
+    return found + sorted(p for p in root.glob("*/README.md")
+                          if p.parent.name not in ("docs", "results") and not p.parent.name.startswith("."))
 
 
 def citations(root: Path) -> tuple[dict[str, list[str]], list[tuple[str, int, str]], list[tuple[str, int, str]]]:
@@ -140,8 +144,8 @@ def citations(root: Path) -> tuple[dict[str, list[str]], list[tuple[str, int, st
         for lineno, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
             for m in CITE_RE.finditer(line):
                 entry = m.group(1).rstrip(".")
-                if entry in OWN_FILES or entry == "bench" or any(c in entry for c in "*{}<>"):
-                    continue
+                if entry in OWN_FILES or entry == "bench" or line[m.end(1):m.end(1) + 1] in ("*", "{", "<", "["):
+                    continue  # a pattern (results/bench/oneshot-*), not a path
                 mentions.append((rel, lineno, entry))
                 if rel not in cited.setdefault(entry, []):
                     cited[entry].append(rel)
@@ -213,7 +217,7 @@ def problems(results: Path, root: Path, index: dict[str, dict], index_path: Path
         if spec.get("machine") and machine_of(results, name):
             out.append(f"{index_path.name} [{name!r}]: machine is recorded in its JSONs; remove it here")
         if name not in cited:
-            out.append(f"{rel_results}/{name}: no page cites it (README.md, docs/*.md)")
+            out.append(f"{rel_results}/{name}: no page cites it (README.md, docs/*.md, <folder>/README.md)")
         path = results / name
         for link in sorted(p for p in ([path] if path.is_file() else path.rglob("*")) if p.is_symlink()):
             if not link.exists():

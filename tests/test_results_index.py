@@ -83,9 +83,19 @@ def test_check_reports_an_uncited_folder_and_a_folder_missing_from_the_toml(tmp_
     results_index.main(["--results", str(results)])
     code, lines = _check(results)
     assert code == 1
-    assert "results/bench/old-run: no page cites it (README.md, docs/*.md)" in lines
+    assert "results/bench/old-run: no page cites it (README.md, docs/*.md, <folder>/README.md)" in lines
     assert any(line.startswith("results/bench/new-run: not in index.toml") for line in lines)
     assert len(lines) == 2, lines
+
+
+def test_a_top_level_folders_readme_cites_too(tmp_path):
+    results = _tree(tmp_path)
+    (tmp_path / "docs" / "history.md").write_text("nothing cited\n")
+    (tmp_path / "experiments").mkdir()
+    (tmp_path / "experiments" / "README.md").write_text("It wrote results/bench/old-run/time-v.txt.\n")
+    results_index.main(["--results", str(results)])
+    assert "[experiments/README.md](../experiments/README.md)" in (results / "INDEX.md").read_text()
+    assert _check(results) == (0, [])
 
 
 def test_check_reports_a_cited_folder_and_a_link_that_do_not_exist(tmp_path):
