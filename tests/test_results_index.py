@@ -109,6 +109,21 @@ def test_check_reports_a_cited_folder_and_a_link_that_do_not_exist(tmp_path):
                              "docs/more.md:1: links ../results/current/report.png, which does not exist"]
 
 
+def test_a_linked_report_counts_and_a_broken_link_is_reported(tmp_path):
+    results = _tree(tmp_path)
+    (results / "index.toml").write_text(INDEX_TOML.replace('machine = "AMD EPYC, 2 cores"\n', ""))
+    (results / "bench" / "old-run" / "qat-2of4.json").symlink_to("../../current/qat-2of4.json")
+    results_index.main(["--results", str(results)])
+    row = next(line for line in (results / "INDEX.md").read_text().splitlines() if "[bench/old-run]" in line)
+    assert "| Intel Xeon, 2 cores |" in row  # the linked report's machine
+    assert _check(results) == (0, [])
+    (results / "current" / "qat-2of4.json").rename(results / "current" / "moved.json")
+    results_index.main(["--results", str(results)])
+    code, lines = _check(results)
+    assert code == 1 and lines == ["results/bench/old-run/qat-2of4.json: links ../../current/qat-2of4.json, "
+                                   "which does not exist"]
+
+
 def test_check_reports_incomplete_entries_a_stray_entry_and_a_duplicated_machine(tmp_path):
     results = _tree(tmp_path)
     (results / "index.toml").write_text(
