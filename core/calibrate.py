@@ -63,7 +63,7 @@ class CalibConfig:
     sequential: bool = True  # next block's inputs come from the modified block (SparseGPT, Wanda)
     forward: str = "float32"  # block forward dtype: float32, bfloat16, or auto (bf16 where the hardware has it)
     # XᵀX per batch in float64, float32 or bfloat16, summed over batches in float64. float32: 1.4x faster
-    # SparseGPT / GPTQ at KL within the noise of any numerics change (README, "Speed of the one-shot stages").
+    # SparseGPT / GPTQ at KL within the noise of any numerics change (docs/performance.md).
     hessian: str = "float32"  # or auto: bf16 products where the hardware has bf16 units, else float32
     # Each group of linears sharing an input (q/k/v, o, gate/up, down) calibrated on inputs through the groups
     # of its block already changed (GPTQ's --true-sequential order), in one forward pass per block instead of

@@ -86,7 +86,7 @@ def return_freed_memory_at_once(threshold: int = 1 << 17) -> None:
     """Have glibc serve every allocation above `threshold` bytes with its own mmap, unmapped when freed.
     A streamed calibration frees each block's activations and statistics before the next block's: with a
     high threshold these stay in glibc's heap (SmolLM2, 128 windows: 0.887 GiB of growth at 32 MiB against
-    0.442 GiB at 128 KiB; README, "Calibration past memory")."""
+    0.442 GiB at 128 KiB; docs/performance.md)."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):  # not glibc: nothing to do

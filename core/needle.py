@@ -33,7 +33,7 @@ class NeedleConfig:
     max_new_tokens: int = 8
     batch_size: int = 2
     # bfloat16: prompts run through a bf16 copy of the model (fp32 RoPE tables and logits' argmax as ever):
-    # 1.48x faster on the 2-core CPU; on the teacher every answer's number equals fp32's (README, issue 15)
+    # 1.48x faster on the 2-core CPU; on the teacher every answer's number equals fp32's (docs/performance.md)
     dtype: str = "float32"
 
     def __post_init__(self):

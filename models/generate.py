@@ -93,7 +93,7 @@ def small_m_linears(*roots: nn.Module, plan: dict[tuple[int, int, int], str] | N
     machine, for these layers; F.linear where the plan is silent). Yields a SmallM.
 
     Why: decoding feeds a Linear 1 to gamma + 1 rows, and CPUs' BLAS libraries differ by factors of 2-5 on
-    which form of so few rows is fast (README, issue 13). Packed or quantized layers (other classes), GPU
+    which form of so few rows is fast (docs/mtp.md). Packed or quantized layers (other classes), GPU
     and bf16 layers keep their own path. Restores every layer's forward on exit.
     """
     patched = list({id(m): m for root in roots for m in root.modules()  # a module shared by roots: once

@@ -50,7 +50,7 @@ def main() -> None:
     print(f"{args.method} {args.pattern or args.sparsity} on {teacher_dir.name}, "
           f"{args.calib_windows} x {args.calib_seq_len} calibration windows")
     print(f"wall time        {wall:8.1f} s   (load + tokenize {t_load:.1f} s)")
-    print(f"peak RSS         {peak_rss_gib():8.2f} GiB (issue 15's target on this CPU: <= 2.5 GiB)")
+    print(f"peak RSS         {peak_rss_gib():8.2f} GiB (the recipe's CPU budget: <= 2.5 GiB)")
     gpu = peak_device_memory_gib(default_device())
     if gpu is not None:
         print(f"peak GPU memory  {gpu:8.2f} GiB (allocated by tensors)")

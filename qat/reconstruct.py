@@ -5,7 +5,7 @@ ship (fake-quantized on their grid), to output the dense teacher's blocks; masks
 
 Why: GPTQ fits each linear alone to its own output, so its rounding errors add up through the SwiGLU, the down
 projection and the blocks after, which no per-linear fit sees (in the default chain GPTQ adds about +0.2 en KL
-whatever model it starts from; README, issue 16). Here each block's MLP (`--fit mlp`) or every linear of it
+whatever model it starts from; docs/quantization.md). Here each block's MLP (`--fit mlp`) or every linear of it
 (`--fit block`) is trained, block by block and on the quantized model's own stream by default (`--inputs
 block`), on the loss prune.reconstruct uses (core.block_fit): the latent weights through the straight-through
 estimator, the group scales as LSQ parameters (qat.fake_quant), each at its own lr — the block-wise stage of
@@ -15,7 +15,7 @@ outputs are the target, so each block also corrects what the quantized blocks be
 `--teacher` may name any float model of the same shapes instead, e.g. the recovered 2:4 model this artifact was
 quantized from (recipe key `target`). Why: the dense teacher's block outputs pull every block back towards a
 layer-wise fit of the teacher, which undoes what distillation learned end to end; the recovered model's are
-reachable by the 2:4 weights and carry that learning (README, issue 16: "The quantized fit's target").
+reachable by the 2:4 weights and carry that learning (docs/quantization.md).
 
 Input: a quantized artifact (qat.ptq, or a QAT stage's): dequantized weights + qparams.safetensors (+ masks).
 Output: the same format, with every fitted linear's weight = dequantize(codes) on its learned scales, so a qat

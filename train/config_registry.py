@@ -210,7 +210,7 @@ def smollm2_mtp_realign() -> SmeltTrainer.Config:
 def smollm2_mtp_kl() -> SmeltTrainer.Config:
     """smollm2_mtp_main with KL to the frozen main model only (no CE): for the main model's continuations of
     real 128-token prompts (distill.self_text --prompt-len 128), half of whose positions are real text where
-    CE would pull towards the corpus, not towards what verification accepts (README, issue 13)."""
+    CE would pull towards the corpus, not towards what verification accepts (docs/mtp.md)."""
     cfg = smollm2_mtp_main()
     cfg.loss.ce_weight = 0.0
     return cfg
@@ -226,7 +226,7 @@ def smollm2_mtp_kl_fused() -> SmeltTrainer.Config:
 
 def smollm2_mtp_realign_kl() -> SmeltTrainer.Config:
     """smollm2_mtp_realign (lr 1e-4, the QAT'd model's own distribution) with KL only, for the QAT'd model's
-    continuations of 128-token prompts: the protocol that lifted α 0.508 -> 0.555 in 600 steps (README, issue 13)."""
+    continuations of 128-token prompts: the protocol that lifted α 0.508 -> 0.555 in 600 steps (docs/mtp.md)."""
     cfg = smollm2_mtp_realign()
     cfg.loss.ce_weight = 0.0
     return cfg
