@@ -15,14 +15,14 @@ Memory: one block's inputs (n_windows × seq_len × dim), one batch's activation
 statistics at a time; the whole model's activations are never held. `true_sequential` (one forward pass per
 block instead of two, core.true_sequential) holds every batch's activations inside the block at once.
 
-Precision (CalibConfig, measured in the README's time/quality table):
+Precision (CalibConfig, measured in docs/performance.md's time/quality table):
 - `hessian`: "float64" forms every batch's XᵀX in fp64 (the reference; fp64 matmul costs ~2.5x fp32 on
   CPU); "float32" forms each batch's XᵀX with an fp32 matmul and sums the batches in fp64, so rounding does
   not grow with the token count; H is then handed out as fp32, so the rank test for "singular without
   dampening" (core.obs) judges it by fp32's epsilon, the precision its products had. "bfloat16" forms the
   per-batch products in bf16 (avx512-bf16 / AMX on CPU; each batch's entries rounded to 8 bits, the rounding
   averaging out over batches in the fp64 sum) and hands H out in fp32: rounding the sum itself to bf16 cost
-  GPTQ +17-20% KL (README). Its rounding lies far above fp32's epsilon, where the rank test could not see
+  GPTQ +17-20% KL (docs/performance.md). Its rounding lies far above fp32's epsilon, where the rank test could not see
   a singular H, so dampening (percdamp > 0) is required (CalibConfig.check_dampening). "auto" is bf16 where
   the hardware has bf16 matmul units, else fp32 (a CPU without them would emulate bf16, slower than fp32).
 - `forward`: the dtype of the block forward passes' matmuls. "bfloat16" runs a copy of each block whose

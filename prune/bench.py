@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--calib-windows", type=int, default=128)
     ap.add_argument("--calib-seq-len", type=int, default=512)
     add_precision_args(ap)
-    ap.add_argument("--calib-true-sequential", action="store_true", help="one forward pass per block (README)")
+    ap.add_argument("--calib-true-sequential", action="store_true", help="one forward pass per block (docs/performance.md)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
     pattern = NMPattern.parse(args.pattern) if args.pattern else None

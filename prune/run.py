@@ -274,7 +274,7 @@ def _parse_args(argv):
     ap.add_argument("--refit", choices=REFIT_TARGETS,
                     help="re-solve the kept weights to the exact optimum for the mask (sparsegpt, wanda): of the "
                          "layer's own output (layer) or of the teacher's output at that layer (teacher; on SmolLM2 "
-                         "it broke the model: README)")
+                         "it broke the model: docs/pruning.md)")
     ap.add_argument("--skip", default=",".join(DEFAULT_SKIP),
                     help="comma-separated module names, dotted prefixes or suffixes to leave dense")
     ap.add_argument("--protect", metavar="HEADS_JSON",

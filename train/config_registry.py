@@ -111,7 +111,7 @@ def smollm2_qat() -> SmeltTrainer.Config:
     Learned (LSQ) scales initialised from the starting artifact's qparams (GPTQ) when present, else by
     MSE-searched clipping. Global batch 4 whatever the rank count (gradient accumulation fills it).
     """
-    # lr 6e-5: measured over 2e-5 at 300 steps (en KL 0.104 vs 0.125, P99 0.658 vs 0.786; README).
+    # lr 6e-5: measured over 2e-5 at 300 steps (en KL 0.104 vs 0.125, P99 0.658 vs 0.786; docs/quantization.md).
     cfg = _config(steps=300, batch=2, seq_len=256, lr=6e-5, warmup=10, interval=50)
     cfg.training.global_batch_size = 4
     cfg.dataloader.source = MIXED_CORPUS
@@ -172,7 +172,7 @@ def debug_mtp_joint() -> SmeltTrainer.Config:
 
 def smollm2_mtp() -> SmeltTrainer.Config:
     """One MTP module (depth 1) for SmolLM2-135M on the frozen recovered model: 4 x 256 tokens a step.
-    lr 5e-4: at 1e-3 the loss spiked back to its starting value after 24 steps (runs/mtp, README)."""
+    lr 5e-4: at 1e-3 the loss spiked back to its starting value after 24 steps (docs/mtp.md)."""
     cfg = _mtp(_config(steps=600, batch=2, seq_len=256, lr=5e-4, warmup=20, interval=50))
     cfg.training.global_batch_size = 4
     cfg.dataloader.source = MIXED_CORPUS
@@ -200,7 +200,7 @@ def smollm2_mtp_realign() -> SmeltTrainer.Config:
     main model is exactly the quantized one (no fake quantization needed); its qparams travel on. The KL
     target is that quantized model's own distribution (mtp.target main): what its verification accepts.
     Give it the QAT'd model's own text (distill.self_text --model <the QAT'd artifact>): 150 steps at lr 1e-4
-    on that text took α from 0.346 to 0.398; 60 steps at 5e-4 on the pre-QAT model's text lowered it (README)."""
+    on that text took α from 0.346 to 0.398; 60 steps at 5e-4 on the pre-QAT model's text lowered it (docs/mtp.md)."""
     cfg = smollm2_mtp_main()
     cfg.training.steps = 150
     cfg.optimizer.param_groups[0].optimizer_kwargs["lr"] = 1e-4
