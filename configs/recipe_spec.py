@@ -125,9 +125,10 @@ def read_values(path: str | Path, _within: tuple = ()) -> dict:
     for key in ("name", *META):  # they describe the base, not this file
         base.pop(key, None)
     base.update({k: values[k] for k in ("name", "run_dir", *META) if k in values})
+    for where, table in ((base_path, base), (path, values)):
+        if not isinstance(table.get("stages", []), list):
+            raise SmeltError(f"recipe {where}: stages must be [[stages]] tables")
     chain, after = list(base.get("stages", [])), None
-    if not isinstance(values.get("stages", []), list):
-        raise SmeltError(f"recipe {path}: stages must be [[stages]] tables")
     for i, raw in enumerate(values.get("stages", [])):
         if not isinstance(raw, dict):
             raise SmeltError(f"recipe {path}: stages[{i}] must be a [[stages]] table")

@@ -15,7 +15,7 @@ def forward_copy(block: nn.Module, dtype: torch.dtype) -> nn.Module:
     block's dtype and hand their output on in `dtype`, so every linear gets `dtype` inputs while the residual
     stream (block input + branch outputs) stays in the block's dtype. Against a whole-bf16 copy: +2% time and
     half the error (SmolLM2 at 16 windows, the last hidden state 1.9% -> 0.9% from fp32's, KL 8.7e-4 -> 3.5e-4;
-    scripts/probe_forward_copy.py): the residual stream is where bf16 rounding piles up."""
+    experiments/probe_forward_copy.py): the residual stream is where bf16 rounding piles up."""
     # The linears' parameters enter the copy already in `dtype`: a plain deepcopy would hold the block's
     # weights twice in their own dtype first (8 bytes per parameter on the way, models.streamed counts 6).
     memo = {id(p): nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=p.requires_grad)

@@ -19,8 +19,8 @@ outputs must be identical (exactness is checked, not assumed). Reported per buck
 `--draft-vocab N` drafts from the N most frequent tokens of a training corpus only (models.speculative.DraftVocab;
 FR-Spec, Zhao et al. 2025): a cheaper draft step, the same exact output, possibly fewer accepted drafts.
 Both decoders run with `models.generate.small_m_linears` (fp32 Linears on a CPU compute their few decode
-rows in whichever form, x @ Wᵀ or W @ xᵀ, timed fastest on this machine; the plan is in the JSON; README,
-issue 13) unless `--no-small-m`, which keeps F.linear everywhere.
+rows in whichever form, x @ Wᵀ or W @ xᵀ, timed fastest on this machine; the plan is in the JSON;
+docs/mtp.md) unless `--no-small-m`, which keeps F.linear everywhere.
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--teacher", default=DEFAULT_TEACHER, help="tokenizer source when the model has none")
     ap.add_argument("--gamma", type=int, default=1, help="drafted tokens per round (<= the MTP depth)")
     # 16, not 4: rounds within one prompt are not independent, and 4 prompts per bucket gave alpha 0.600 where
-    # 16 gave 0.508 on the same module (README, issue 13)
+    # 16 gave 0.508 on the same module (docs/mtp.md)
     ap.add_argument("--prompts", type=int, default=16, help="prompts per bucket")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)

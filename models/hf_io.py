@@ -84,7 +84,8 @@ def config_from_hf(d: dict) -> LlamaConfig:
     arch = (d.get("architectures") or ["?"])[0]
     model_type = d.get("model_type") or ("llama" if arch == "LlamaForCausalLM" else None)
     if model_type not in ARCHITECTURES:
-        raise SmeltError(f"config.json model_type={d.get('model_type')!r} is not one of {', '.join(ARCHITECTURES)}")
+        raise SmeltError(f"config.json model_type={d.get('model_type')!r} is not a Llama-family model "
+                         f"({', '.join(ARCHITECTURES)})")
     if d.get("mlp_bias"):
         raise SmeltError("config.json: mlp_bias=true is not supported by models.llama")
     if d.get("attention_bias") and model_type != "qwen2":  # Llama's puts one on o_proj too

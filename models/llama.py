@@ -200,7 +200,7 @@ class KVCache:
         keys, values = self.k[:, :, :self.pos], self.v[:, :, :self.pos]
         # enable_gqa: query head h reads KV head h // rep from the cache in place, with the same results as
         # repeating the cache per query head, which copied all of it every step and at batch 64 (distill.self_text)
-        # cost more than the step's attention (scripts/bench_decode_gqa.py; README, issue 13)
+        # cost more than the step's attention (experiments/bench_decode_gqa.py; docs/mtp.md)
         gqa = q.shape[1] != keys.shape[1]
         # query i (absolute start + i) sees keys 0..start+i (the last `window` of them with a sliding window)
         mask = window_mask(start, new, self.pos, window, q.device)

@@ -6,7 +6,7 @@
 Runs prune.run.prune_model once (no artifact written, no evaluation) and prints wall time, peak resident
 memory of the process (target for SparseGPT 2:4 on SmolLM2 with 128 x 512 windows: <= 3 GiB, since
 activations are streamed block by block), and the split: block forward passes, Hessian/norm
-accumulation, Hessian inverses, and the pruning updates. `--json` also writes them (scripts/bench_oneshot.py
+accumulation, Hessian inverses, and the pruning updates. `--json` also writes them (experiments/bench_oneshot.py
 runs several settings interleaved and prints ratios).
 """
 from __future__ import annotations

@@ -117,6 +117,7 @@ BAD_FILES = [
      "unknown config key 'stages[0].after'"),
     ('extends = "base.toml"\nname = "c"\nrun_dir = "r"\ndescription = "two\\nlines"\n',
      "description = 'two\\nlines': one line of text is required"),
+    ('extends = "base.toml"\nname = "c"\nrun_dir = "r"\nstages = 3\n', "child.toml: stages must be [[stages]] tables"),
 ]
 
 
