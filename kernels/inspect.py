@@ -1,0 +1,462 @@
+"""Compile the Triton matmul for an NVIDIA GPU without one, read what the compiler made, and feed it to a
+roofline model (kernels.roofline).
+
+    python -m kernels.inspect [--arch 90] [--formats bf16,w4,24,24w4] [--configs all|0,3]
+                              [--out results/kernels/inspect.json] [--jobs 2] [--table]
+
+Every weight format x every configuration of `GPU_CONFIGS` is compiled for sm_90a (and sm_80 with
+`--arch 80,90`) exactly as `kernels.matmul._launch` would launch it: bf16 activations, bf16 scales, group 64,
+fp32 accumulation, the launcher's strides and Triton's specialisation of the integer arguments (a 1 becomes
+a constant, a multiple of 16 is marked divisible). The shape compiled is Llama-3.1-8B's gate projection at
+M = 16; every layer below has N and K divisible by 16 and so gets the same code at any M divisible by 16.
+M = 1 specialises M to a constant and gives a slightly different kernel, not compiled here.
+
+Read per variant: registers and spilled bytes (ptxas -v), shared memory (what the launch asks for) and
+whether one block may have it (227 KB on sm_90, 163 KB on sm_80), the main loop, its tensor-core
+instruction, and the global loads of one iteration per stream (activations, weights, 2:4 metadata, scales).
+
+- Main loop: in the SASS, the widest span from a backward branch's target to the branch that holds a
+  tensor-core instruction (the K loop is the kernel's only loop with a dot). Its instructions are counted
+  without NOPs: what one warp issues per iteration.
+- Instructions per weight: loop instructions / (BLOCK_N x BLOCK_K / threads), i.e. what one thread issues
+  per weight of the [BLOCK_K, BLOCK_N] tile it helps rebuild and multiply.
+- Loads per stream: in the PTX's loop (LLVM's "Loop Header" label to the branch back to it), each
+  `ld.global` / `cp.async` is attributed to the pointer argument its address is computed from (def-use
+  chains); its width is the instruction's (vector x element, or the cp.async size). "reread" is the bytes
+  those loads fetch per iteration / the bytes the tile holds: > 1 means the same bytes are loaded again.
+
+`--table` prints the markdown tables of an existing --out file without compiling.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import platform
+import queue
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import triton
+from tqdm import tqdm
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+from core.device import machine_record
+from core.errors import ArgumentParser, SmeltError, run_cli
+from core.files import atomic_write_text, read_json
+from kernels import roofline
+from kernels.matmul import GPU_CONFIGS, _matmul_kernel
+
+ARCHS = (80, 90)
+FORMATS = {"bf16": (False, False), "w4": (True, False), "24": (False, True), "24w4": (True, True)}  # QUANT, SPARSE
+LABELS = {"bf16": "bf16 (Triton)", "w4": "W4A16", "24": "2:4", "24w4": "2:4+W4"}
+GROUP = 64
+COMPILE_SHAPE = {"M": 16, "N": 14336, "K": 4096}
+STREAMS = {0: "activations", 1: "weights", 2: "metadata", 3: "scales", 4: "output"}  # kernel pointer args
+SMEM_LIMIT = {80: 163 * 1024, 90: roofline.H100_SXM.smem_per_block}  # most shared memory a block may use: A100, H100
+MMA_OPS = ("HGMMA", "HMMA")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def launch_args(fmt: str, shape: dict, group: int = GROUP) -> tuple[tuple, dict]:
+    """The kernel's arguments and flags as `_launch` passes them, on empty CPU tensors of the real shapes."""
+    quant, sparse = FORMATS[fmt]
+    m, n, k = shape["M"], shape["N"], shape["K"]
+    stored = k // 2 if sparse else k
+    x = torch.empty(m, k, dtype=torch.bfloat16)
+    w = torch.empty(n, stored // 8, dtype=torch.int32) if quant else torch.empty(n, stored, dtype=torch.bfloat16)
+    meta = torch.empty(n, k // 32, dtype=torch.int32) if sparse else w
+    scale = torch.empty(n, k // group, dtype=torch.bfloat16) if quant else w
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    args = (x, w, meta, scale, y, m, n, k, x.stride(0), x.stride(1), w.stride(1), w.stride(0), meta.stride(1),
+            meta.stride(0), scale.stride(1) if quant else 0, scale.stride(0) if quant else 0, y.stride(0), y.stride(1))
+    return args, {"GROUP": group if quant else 1, "QUANT": quant, "SPARSE": sparse, "DOT_FP32": False}
+
+
+# --- SASS -----------------------------------------------------------------------------------------------------
+
+SASS_RE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+def parse_sass(text: str) -> list[tuple[int, str, str]]:
+    """(address, opcode, operands) of every instruction in `cuobjdump -sass` output; predicates dropped."""
+    out = []
+    for line in text.splitlines():
+        m = SASS_RE.search(line)
+        if not m:
+            continue
+        body = m.group(2).strip()
+        if body.startswith("@"):
+            body = body.split(None, 1)[1] if " " in body else ""
+        op, _, operands = body.partition(" ")
+        out.append((int(m.group(1), 16), op, operands.strip()))
+    return out
+
+
+def _kind(op: str) -> str:
+    return op.split(".")[0]
+
+
+def main_loop(instrs: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
+    """The main loop: the widest span [target, branch] of a backward BRA that holds a tensor-core instruction
+    (the K loop is the only loop with a dot; the BRA-to-itself after EXIT is not a loop). [] if none."""
+    best: list = []
+    for addr, op, operands in instrs:
+        t = re.match(r"(0x[0-9a-f]+)", operands)
+        if _kind(op) != "BRA" or not t or int(t.group(1), 16) >= addr:
+            continue
+        body = [i for i in instrs if int(t.group(1), 16) <= i[0] <= addr]
+        if any(_kind(i[1]) in MMA_OPS for i in body) and len(body) > len(best):
+            best = body
+    return best
+
+
+def loop_stats(body: list[tuple[int, str, str]]) -> dict:
+    """Instructions of one iteration (NOPs not counted) and the kinds that matter."""
+    ops = [op for _, op, _ in body if op != "NOP"]
+    kind = _kind
+    return {"instructions": len(ops), "start": hex(body[0][0]) if body else None,
+            "end": hex(body[-1][0]) if body else None,
+            "mma": dict(Counter(op for op in ops if kind(op) in MMA_OPS)),
+            "global_loads": dict(Counter(op for op in ops if kind(op) in ("LDG", "LDGSTS", "UTMALDG"))),
+            "shared_accesses": sum(kind(op) in ("LDS", "LDSM", "STS") for op in ops),
+            "local_accesses": sum(kind(op) in ("LDL", "STL") for op in ops)}
+
+
+# --- PTX: which stream each global load reads, and how wide ---------------------------------------------------
+
+PTX_REG = re.compile(r"%[a-z]+\d+")
+PARAM_RE = re.compile(r"ld\.param\.\w+\s+(%\w+),\s*\[\w+_param_(\d+)\]")
+
+
+def _first_operand(rest: str) -> tuple[str, str]:
+    end = rest.index("}") + 1 if rest.startswith("{") else (rest.index(",") if "," in rest else len(rest))
+    return rest[:end], rest[end:]
+
+
+def ptx_streams(ptx: str) -> dict:
+    """Per stream, the global loads of one main-loop iteration (per thread): {"<kind> <bytes>B": count} and
+    the distinct (register, offset) addresses among them. A load's stream is the kernel pointer argument its
+    address is computed from (def-use chains through the PTX); the loop is LLVM's "Loop Header" label up to
+    the last branch back to it (the whole kernel if there is none)."""
+    raw_lines = ptx.splitlines()
+    lines = [raw.split("//")[0].strip().rstrip(";").strip() for raw in raw_lines]
+    defs: dict[str, set[str]] = defaultdict(set)
+    roots: dict[str, int] = {}
+    loads = []  # (line, kind, bytes, address register, offset)
+    for i, line in enumerate(lines):
+        if line.startswith("@"):
+            line = line.split(None, 1)[1] if " " in line or "\t" in line else ""
+        if not line or line[0] in ".{}$" or line.endswith(":"):
+            continue
+        if p := PARAM_RE.match(line):
+            roots[p.group(1)] = int(p.group(2))
+            continue
+        op, _, rest = line.replace("\t", " ").partition(" ")
+        rest = rest.strip()
+        addrs = re.findall(r"\[\s*(%\w+)\s*(?:\+\s*(-?\w+))?\s*\]", rest)
+        if op.startswith("ld.global") and addrs:
+            vec = re.search(r"\.v(\d)", op)
+            bits = re.search(r"\.[bsuf](\d+)$", op)
+            loads.append((i, "ld", (int(vec.group(1)) if vec else 1) * int(bits.group(1)) // 8, *addrs[0]))
+        elif op.startswith("cp.async") and ".global" in op and len(addrs) == 2:
+            size = re.search(r"\]\s*,\s*(0x[0-9a-f]+|\d+)", rest.split("]", 1)[1])
+            loads.append((i, "async", int(size.group(1), 0), *addrs[1]))
+        if not rest or rest.startswith("["):
+            continue
+        first, others = _first_operand(rest)
+        for d in PTX_REG.findall(first):
+            defs[d].update(PTX_REG.findall(others))
+
+    def pointer_args(reg: str) -> set[int]:
+        seen, stack, found = {reg}, [reg], set()
+        while stack:
+            r = stack.pop()
+            if r in roots and roots[r] in STREAMS:
+                found.add(roots[r])
+            for s in defs.get(r, ()):
+                if s not in seen:
+                    seen.add(s)
+                    stack.append(s)
+        return found
+
+    header = next((i for i, raw in enumerate(raw_lines) if "Loop Header" in raw and lines[i].endswith(":")), None)
+    lo, hi = 0, len(lines)
+    if header is not None:
+        label = lines[header][:-1]
+        backs = [i for i, l in enumerate(lines) if re.search(rf"\bbra(\.uni)?\s+{re.escape(label)}$", l)]
+        if backs:
+            lo, hi = header, max(backs)
+    out: dict[str, dict] = {}
+    for i, kind, nbytes, reg, off in loads:
+        if not lo <= i <= hi:
+            continue
+        ptrs = pointer_args(reg)
+        name = STREAMS[ptrs.pop()] if len(ptrs) == 1 else "unattributed"
+        s = out.setdefault(name, {"loads": Counter(), "addresses": set()})
+        s["loads"][f"{kind} {nbytes}B"] += 1
+        s["addresses"].add((reg, off or "0"))
+    return {k: {"loads": dict(v["loads"]), "distinct_addresses": len(v["addresses"])} for k, v in out.items()}
+
+
+# --- one variant ------------------------------------------------------------------------------------------------
+
+def tile_bytes(fmt: str, bm: int, bn: int, bk: int, group: int = GROUP) -> dict[str, float]:
+    """Bytes of each stream one program needs per K step: what a load without repeats would read."""
+    quant, sparse = FORMATS[fmt]
+    stored = bk / 2 if sparse else bk
+    out = {"activations": bm * bk * 2, "weights": stored / 8 * bn * 4 if quant else stored * bn * 2}
+    if sparse:
+        out["metadata"] = bk / 32 * bn * 4
+    if quant:
+        out["scales"] = -(-bk // group) * bn * 2
+    return out
+
+
+def _tool(name: str) -> str:
+    return getattr(triton.knobs.nvidia, name).path
+
+
+def compile_variant(fmt: str, config: int, arch: int, shape: dict = COMPILE_SHAPE, group: int = GROUP) -> dict:
+    """Compile one (format, config, arch) offline and read its cubin, SASS and PTX."""
+    if not isinstance(_matmul_kernel, JITFunction):
+        raise SmeltError("kernels.matmul was imported under TRITON_INTERPRET=1: compile in a process started "
+                         "without it (inspect_all does)")
+    cfg = GPU_CONFIGS[config]
+    args, flags = launch_args(fmt, shape, group)
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    kw = {**flags, **cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    # the launcher's own path from arguments to a specialisation (which ints are constant or divisible by 16)
+    binder = create_function_from_signature(_matmul_kernel.signature, _matmul_kernel.params, backend)
+    bound, spec, opts = binder(*args, **kw)
+    options, signature, constexprs, attrs = _matmul_kernel._pack_args(backend, kw, bound, spec, opts)
+    src = triton.compiler.ASTSource(fn=_matmul_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    knobs = (triton.knobs.nvidia, "dump_ptxas_log"), (triton.knobs.compilation, "always_compile")
+    saved = [getattr(o, a) for o, a in knobs]
+    try:
+        for o, a in knobs:  # a cache hit would skip ptxas and its log (registers, spills)
+            setattr(o, a, True)
+        with contextlib.redirect_stdout(io.StringIO()) as log:
+            kernel = triton.compile(src, target=target, options=options.__dict__)
+    finally:
+        for (o, a), v in zip(knobs, saved):
+            setattr(o, a, v)
+    ptxas = log.getvalue()
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        usage, sass = (subprocess.run([_tool("cuobjdump"), flag, str(cubin)], capture_output=True, text=True,
+                                      check=True).stdout for flag in ("-res-usage", "-sass"))
+    regs = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
+    loop = loop_stats(main_loop(parse_sass(sass)))
+    names = [p.name for p in _matmul_kernel.params]
+    threads = 32 * cfg.num_warps
+    weights_per_thread = cfg.kwargs["BLOCK_N"] * cfg.kwargs["BLOCK_K"] / threads
+    mma = sorted(loop["mma"])
+    streams = ptx_streams(kernel.asm["ptx"])
+    for name, need in tile_bytes(fmt, *(cfg.kwargs[b] for b in ("BLOCK_M", "BLOCK_N", "BLOCK_K")), group).items():
+        if name in streams:  # > 1: the same bytes loaded again by other loads of the same iteration
+            loaded = threads * sum(n * int(k.split()[1][:-1]) for k, n in streams[name]["loads"].items())
+            streams[name].update(bytes_per_iteration=loaded, tile_bytes=need, reread=loaded / need)
+    return {
+        "format": fmt, "arch": arch, "config": config, **cfg.kwargs, "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+        "specialisation": {"constexpr": {names[k[0]]: v for k, v in constexprs.items() if k[0] < names.index("GROUP")},
+                           "divisible_by_16": [names[k[0]] for k, v in attrs.items() if v]},
+        "registers": int(regs.group(1)), "stack_bytes": int(regs.group(2)),
+        "spill_store_bytes": int(spill.group(1)) if spill else None,
+        "spill_load_bytes": int(spill.group(2)) if spill else None,
+        "shared_bytes": kernel.metadata.shared, "fits_block": kernel.metadata.shared <= SMEM_LIMIT[arch],
+        "loop": loop, "instructions_per_weight": loop["instructions"] / weights_per_thread,
+        "mma_instruction": mma[0] if len(mma) == 1 else (", ".join(mma) or None),
+        "streams": streams,
+    }
+
+
+def _job(job: tuple) -> dict:
+    fmt, config, arch = job
+    try:
+        return compile_variant(fmt, config, arch)
+    except Exception as e:  # noqa: BLE001 - a variant that does not compile is a row of the result
+        return {"format": fmt, "arch": arch, "config": config, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
+def _serve() -> None:
+    """A compiling worker: one JSON job per stdin line, one JSON result per stdout line."""
+    out, sys.stdout = sys.stdout, sys.stderr  # nothing but results on the pipe
+    for line in sys.stdin:
+        out.write(json.dumps(_job(tuple(json.loads(line)))) + "\n")
+        out.flush()
+
+
+def inspect_all(formats: list[str], configs: list[int], archs: list[int], jobs: int = 1,
+                progress: bool = True) -> list[dict]:
+    """Every (arch, format, config), compiled by `jobs` worker processes, in that order. The workers start
+    without TRITON_INTERPRET, which kernels.matmul sets where there is no CUDA: interpreted kernels cannot
+    be compiled."""
+    work = [(f, c, a) for a in archs for f in formats for c in configs]
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for i in range(len(work)):
+        todo.put(i)
+    results: list = [None] * len(work)
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    bar = tqdm(total=len(work), desc="compile", disable=not progress)
+
+    def worker() -> None:
+        cmd = [sys.executable, "-c", "from kernels.inspect import _serve; _serve()"]
+        with tempfile.TemporaryFile("w+") as err, subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=ROOT) as p:
+            while True:
+                try:
+                    i = todo.get_nowait()
+                except queue.Empty:
+                    break
+                p.stdin.write(json.dumps(work[i]) + "\n")
+                p.stdin.flush()
+                line = p.stdout.readline()
+                if not line:
+                    err.seek(0)
+                    last = (err.read().strip().splitlines() or ["no output"])[-1]
+                    raise SmeltError(f"a compiling worker died on {work[i]}: {last}")
+                results[i] = json.loads(line)
+                bar.update()
+            p.stdin.close()
+
+    n = max(1, min(jobs, len(work)))
+    with ThreadPoolExecutor(n) as ex:
+        for f in [ex.submit(worker) for _ in range(n)]:
+            f.result()
+    bar.close()
+    return results
+
+
+# --- the model on top, and the tables -----------------------------------------------------------------------------
+
+def model_variants(records: list[dict]) -> dict[str, dict[str, roofline.Variant]]:
+    """format -> {"cfg N": Variant} from the sm_90 records that compiled."""
+    out: dict[str, dict[str, roofline.Variant]] = {}
+    for r in records:
+        if r["arch"] != 90 or "error" in r or not r["loop"]["instructions"]:
+            continue
+        out.setdefault(r["format"], {})[f"cfg {r['config']}"] = roofline.Variant(
+            r["BLOCK_M"], r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r["registers"], r["shared_bytes"],
+            r["loop"]["instructions"], (r["mma_instruction"] or "").startswith("HGMMA"))
+    return out
+
+
+def _loads_cell(stream: dict | None) -> str:
+    if not stream:
+        return "–"
+    loads = ", ".join(f"{n}× {k}" for k, n in sorted(stream["loads"].items()))
+    return f"{loads}, read {stream['reread']:.0f}×"
+
+
+def render_tables(report: dict) -> str:
+    lines = [("| arch | format | config (BM×BN×BK, warps, stages) | regs | spill st/ld B | smem KB | fits "
+              "| loop instrs | instr/weight | MMA | weights | metadata | scales | activations |"), "|---" * 14 + "|"]
+    for r in report["variants"]:
+        cfg = f"{r['config']}: " + ("–" if "error" in r else f"{r['BLOCK_M']}×{r['BLOCK_N']}×{r['BLOCK_K']}, "
+                                   f"{r['num_warps']}, {r['num_stages']}")
+        head = f"| sm_{r['arch']} | {LABELS[r['format']]} | {cfg} |"
+        if "error" in r:
+            lines.append(head + f" {r['error'][:80]} |" + " |" * 11)
+            continue
+        s = r["streams"]
+        lines.append(head + f" {r['registers']} | {r['spill_store_bytes']}/{r['spill_load_bytes']} | "
+                     f"{r['shared_bytes'] / 1024:.0f} | {'yes' if r['fits_block'] else 'no'} | "
+                     f"{r['loop']['instructions']} | {r['instructions_per_weight']:.1f} | {r['mma_instruction']} | "
+                     + " | ".join(_loads_cell(s.get(k)) for k in ("weights", "metadata", "scales", "activations"))
+                     + " |")
+    rows = report.get("model", {}).get("rows", [])
+    fmts = list(dict.fromkeys(r["format"] for r in rows))
+    tokens = list(dict.fromkeys(r["M"] for r in rows))
+    for model in dict.fromkeys(r["model"] for r in rows):
+        by = {(r["layer"], r["M"], r["format"]): r for r in rows if r["model"] == model}
+        m_head = " / ".join(map(str, tokens))
+        lines += ["", (f"**{model}**, model estimate: bf16 cuBLAS µs and each format's speed-up over it at M = "
+                       f"{m_head} (limiter: m memory, i issue, t tensor)"), "",
+                  "| layer | K→N | bf16 cuBLAS µs | " + " | ".join(LABELS[f] for f in fmts) + " |",
+                  "|---|---|" + "---:|" * (len(fmts) + 1)]
+        for layer in dict.fromkeys(r["layer"] for r in rows if r["model"] == model):
+            first = by[(layer, tokens[0], fmts[0])]
+            cells = [" / ".join(f"{by[(layer, m, fmts[0])]['bf16_cublas_us']:.1f}" for m in tokens)]
+            for f in fmts:
+                cells.append(" / ".join("–" if "error" in (e := by[(layer, m, f)]) else
+                                        f"{e['speedup_vs_bf16']:.2f}{e['limiter'][0]}" for m in tokens))
+            lines.append(f"| {layer} | {first['K']}→{first['N']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# --- the command ------------------------------------------------------------------------------------------------
+
+def _parse_list(value: str, allowed, what: str, conv=str) -> list:
+    try:
+        items = [conv(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise SmeltError(f"{what}: {value!r} is not a comma-separated list") from None
+    bad = [v for v in items if v not in allowed]
+    if bad or not items:
+        raise SmeltError(f"{what}: {bad[0] if bad else value!r} is not one of {', '.join(map(str, allowed))}")
+    return list(dict.fromkeys(items))
+
+
+def _rounded(v):
+    """Four significant digits: the model is no more precise, and the JSON stays readable."""
+    if isinstance(v, float):
+        return float(f"{v:.4g}")
+    return {k: _rounded(x) for k, x in v.items()} if isinstance(v, dict) else v
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = ArgumentParser(prog="python -m kernels.inspect", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", default="90", help=f"comma-separated compute capabilities of {ARCHS}")
+    ap.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated of {', '.join(FORMATS)}")
+    ap.add_argument("--configs", default="all", help=f"'all' or comma-separated indices of GPU_CONFIGS "
+                                                     f"(0..{len(GPU_CONFIGS) - 1})")
+    ap.add_argument("--out", default="results/kernels/inspect.json", help="the JSON written (read by --table)")
+    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="compiling processes")
+    ap.add_argument("--table", action="store_true", help="print the markdown tables of --out; compile nothing")
+    args = ap.parse_args(argv)
+    if args.table:
+        print(render_tables(read_json(args.out, "a kernels.inspect report")))
+        return 0
+    archs = _parse_list(args.arch, ARCHS, "--arch", int)
+    formats = _parse_list(args.formats, list(FORMATS), "--formats")
+    configs = list(range(len(GPU_CONFIGS))) if args.configs == "all" else \
+        _parse_list(args.configs, range(len(GPU_CONFIGS)), "--configs", int)
+    if args.jobs < 1:
+        raise SmeltError(f"--jobs must be >= 1, got {args.jobs}")
+    t0 = time.time()
+    records = inspect_all(formats, configs, archs, args.jobs)
+    report = {"command": "python -m kernels.inspect " + " ".join(sys.argv[1:] if argv is None else argv),
+              "machine": machine_record(), "triton": triton.__version__,
+              "ptxas": subprocess.run([_tool("ptxas"), "--version"], capture_output=True, text=True,
+                                      check=True).stdout.strip().splitlines()[-1],
+              "python": platform.python_version(), "compiled_shape": {**COMPILE_SHAPE, "group": GROUP,
+                                                                      "dtype": "bfloat16"},
+              "variants": records}
+    if 90 in archs:
+        rows = [{k: _rounded(v) for k, v in r.items()} for r in roofline.model_rows(model_variants(records), GROUP)]
+        report["model"] = {"note": "model estimate, not a measurement (kernels/roofline.py)",
+                           "gpu": roofline.gpu_record(), "rows": rows}
+    report["wall_s"] = round(time.time() - t0, 1)
+    atomic_write_text(args.out, json.dumps(report, indent=1) + "\n")
+    print(render_tables(report))
+    print(f"written {args.out} ({len(records)} variants, {report['wall_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,69 @@
+"""kernels.inspect compiles the Triton matmul for sm_90 without a GPU and reads the result; kernels.roofline is
+the model on top, checked on its own arithmetic."""
+from __future__ import annotations
+
+import pytest
+
+from core.errors import SmeltError
+from kernels import roofline
+from kernels.inspect import inspect_all, main, render_tables
+
+SMALL = roofline.Variant(block_m=16, block_n=64, block_k=128, num_warps=4, registers=128, shared_bytes=64 * 1024,
+                         loop_instructions=0, hgmma=False)
+
+
+def test_one_variant_compiles_offline_for_sm90_and_reads_sanely():
+    (r,) = inspect_all(["w4"], [3], [90], jobs=1, progress=False)
+    assert "error" not in r, r.get("error")
+    assert r["registers"] > 0 and r["shared_bytes"] > 0 and r["fits_block"]
+    assert r["spill_store_bytes"] is not None and r["spill_load_bytes"] is not None
+    assert r["loop"]["instructions"] > 0 and r["instructions_per_weight"] > 0
+    assert r["mma_instruction"].startswith(("HGMMA", "HMMA"))
+    # every load stream of the W4 loop is attributed: the packed codes, their scales, the activations
+    assert {"weights", "scales", "activations"} <= set(r["streams"])
+    assert r["streams"]["activations"]["reread"] == pytest.approx(1.0)
+    assert r["specialisation"]["constexpr"]["stride_xk"] == 1 and "K" in r["specialisation"]["divisible_by_16"]
+    assert "W4A16" in render_tables({"variants": [r]})
+
+
+def test_w4_at_decode_is_memory_bound_and_beats_bf16_by_its_bytes():
+    m, n, k = 1, 14336, 4096
+    e = roofline.estimate("w4", m, n, k, SMALL, group=64)
+    ref = roofline.bf16_reference(m, n, k)
+    assert e["limiter"] == "memory" and ref["limiter"] == "memory"
+    assert e["bounds_s"]["issue"] == 0
+    bytes_w4 = n * k / 2 + 2 * n * k / 64 + 2 * (m * k + m * n)
+    assert e["bytes"] == bytes_w4
+    assert ref["time_s"] / e["time_s"] == pytest.approx((2 * n * k + 2 * (m * k + m * n)) / bytes_w4)
+    assert roofline.weight_bytes("24w4", n, k, 64) < roofline.weight_bytes("w4", n, k, 64) \
+        < roofline.weight_bytes("24", n, k, 64) < roofline.weight_bytes("bf16", n, k, 64)
+
+
+def test_instruction_issue_and_waves_bound_the_estimate():
+    heavy = roofline.Variant(**{**SMALL.__dict__, "loop_instructions": 2000})
+    m, n, k = 1, 14336, 4096
+    e = roofline.estimate("w4", m, n, k, heavy)
+    programs = n // 64
+    assert e["programs"] == programs and e["limiter"] == "issue"
+    busiest = -(-programs // 132)  # 224 programs on 132 SMs: two on the busiest
+    assert e["bounds_s"]["issue"] == pytest.approx(busiest * (k // 128) * 2000 * 4 / (4 * 1.755e9))
+    assert e["time_s"] == max(e["bounds_s"].values())
+    # an over-large shared memory request cannot launch; the best pick skips it
+    too_big = roofline.Variant(**{**SMALL.__dict__, "shared_bytes": 300 * 1024})
+    assert roofline.blocks_per_sm(too_big) == 0 and roofline.estimate("w4", m, n, k, too_big) is None
+    assert roofline.best("w4", m, n, k, {"a": too_big, "b": heavy})["variant"] == "b"
+    # prefill: the bf16 reference turns compute-bound
+    assert roofline.bf16_reference(2048, n, k)["limiter"] == "tensor"
+
+
+def test_occupancy_counts_registers_shared_memory_and_warps():
+    assert roofline.blocks_per_sm(SMALL) == 3  # 228 KB / (64 + 1) KB; registers allow 4
+    assert roofline.blocks_per_sm(roofline.Variant(**{**SMALL.__dict__, "registers": 255})) == 2
+    assert roofline.blocks_per_sm(roofline.Variant(**{**SMALL.__dict__, "shared_bytes": 0})) == 4
+
+
+@pytest.mark.parametrize("args,text", [(["--configs", "9"], "--configs"), (["--formats", "w8"], "--formats"),
+                                       (["--arch", "75"], "--arch"), (["--jobs", "0"], "--jobs")])
+def test_bad_arguments_are_one_line_before_compiling(args, text, tmp_path):
+    with pytest.raises(SmeltError, match=text):
+        main([*args, "--out", str(tmp_path / "x.json")])
