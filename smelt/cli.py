@@ -73,6 +73,10 @@ COMMANDS = {c.name: c for c in [
             "tokens/s", MEASURE),
     Command("kernels-check", "kernels.check", "run a release through the Triton kernels and compare with the "
             "reference (GPU)", MEASURE),
+    Command("kernels-inspect", "kernels.inspect", "compile the Triton kernels for an H100 offline and read them "
+            "(registers, spills, shared memory, instructions per weight) with a roofline estimate", MEASURE),
+    Command("kernels-bench", "kernels.bench", "time the Triton kernels against bf16 and 2:4 references (GPU)",
+            MEASURE),
     Command("report", "eval.report", "a run's degradation report: every stage's evaluation as a table and "
             "plots", ANALYSE),
     Command("compare", "eval.compare", "two or more runs' stage evaluations side by side, with each one's "

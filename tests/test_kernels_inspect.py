@@ -67,3 +67,19 @@ def test_occupancy_counts_registers_shared_memory_and_warps():
 def test_bad_arguments_are_one_line_before_compiling(args, text, tmp_path):
     with pytest.raises(SmeltError, match=text):
         main([*args, "--out", str(tmp_path / "x.json")])
+
+
+def test_the_docs_table_is_the_committed_json_rendered():
+    """docs/kernels.md shows `python -m kernels.inspect --table` of results/kernels/inspect.json, not a copy that
+    went stale when the JSON was measured again."""
+    import json
+
+    from conftest import ROOT
+
+    from kernels.inspect import render_tables
+
+    doc = (ROOT / "docs" / "kernels.md").read_text()
+    begin, end = "<!-- python -m kernels.inspect --table -->", "<!-- /python -m kernels.inspect --table -->"
+    shown = doc[doc.index(begin) + len(begin):doc.index(end)].strip()
+    report = json.loads((ROOT / "results" / "kernels" / "inspect.json").read_text())
+    assert shown == render_tables(report).strip(), "run `python -m kernels.inspect --table` and paste it"
