@@ -14,6 +14,8 @@ import tomllib
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
+
 from configs.memory import read_registry
 from configs.recipe_stages import (
     FLOAT_MODELS,
@@ -46,10 +48,10 @@ from core.calibrate import (
     check_reconstruct,
 )
 from core.data import EvalConfig, SelfTextConfig
+from core.device import bf16_is_fast
 from core.errors import SmeltError
 from core.patterns import NMPattern
 from core.text_source import SELF_TEXT_FILE, TextSourceConfig
-
 
 # ---- loading: TOML, extends, environment, --set; typed; checked -------------------------------------------
 RECIPES = Path(__file__).parent / "recipes"  # the catalogue: the recipes this repository ships
@@ -235,8 +237,11 @@ def _budget(recipe: Recipe, st: TrainStage, where: str, registry: dict) -> dict:
         if b[key] is None:
             raise SmeltError(f"{where}.{key} is required (config {st.config or '-'} does not set it)")
     b["dtype"] = b["dtype"] or "float32"
+    if b["dtype"] == "auto":  # bf16 compute only where it runs fast: emulated bf16 is many times slower than fp32
+        b["dtype"] = "bfloat16" if recipe.parallelism.device == "gpu" or bf16_is_fast(torch.device("cpu")) \
+            else "float32"
     if b["dtype"] not in ("float32", "bfloat16"):
-        raise SmeltError(f"{where}.dtype {b['dtype']!r} is not float32 or bfloat16")
+        raise SmeltError(f"{where}.dtype {b['dtype']!r} is not float32, bfloat16 or auto")
     if b["local_batch"] < 1 or b["seq_len"] < 2:
         raise SmeltError(f"{where}: local_batch >= 1 and seq_len >= 2 are required")
     per_step = b["local_batch"] * recipe.dp

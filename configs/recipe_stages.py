@@ -134,7 +134,7 @@ class TrainStage(Stage):            # recover / mtp / qat (train.launch)
     local_batch: int | None = None  # None: the config's value; another value is passed as an override
     global_batch: int | None = None
     seq_len: int | None = None
-    dtype: str | None = None        # training.mixed_precision_param
+    dtype: str | None = None        # training.mixed_precision_param; "auto": bfloat16 where bf16 runs fast, else float32
     lr: float | None = None         # the peak learning rate (the config's param group 0); None: the config's
     teacher_cache: str | None = None  # an earlier teacher_cache stage: its windows and top-k, no teacher forward
     source: str | None = None       # training text: an earlier self_text stage or a text source; None: data.train

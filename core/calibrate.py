@@ -46,7 +46,7 @@ from tqdm import tqdm
 
 from core import true_sequential
 from core.data import calibration_windows, corpus_record, is_corpus_mix, split_corpora
-from core.device import release_memory, synchronize
+from core.device import bf16_is_fast, release_memory, synchronize
 from core.errors import SmeltError
 from core.forward_copy import forward_copy, refresh
 from core.linear_stats import LinearStats
@@ -167,19 +167,6 @@ def add_precision_args(ap) -> None:
 def calibration_device(model: nn.Module, stream=None) -> torch.device:
     """Where calibration runs: a streamed model's device (its weights wait on meta), else the model's own."""
     return stream.device if stream is not None else model.tok_embeddings.weight.device
-
-
-def bf16_is_fast(device: torch.device) -> bool:
-    """bf16 matmuls run on dedicated units: a CUDA GPU (Ampere+), or a CPU with AMX / avx512-bf16."""
-    if device.type == "cuda":  # Ampere and later (is_bf16_supported() also counts emulation)
-        return torch.cuda.get_device_capability(device)[0] >= 8
-    if device.type != "cpu":
-        return False
-    try:
-        flags = open("/proc/cpuinfo").read()  # Linux; elsewhere fall back to torch's capability string
-    except OSError:
-        flags = str(torch.backends.cpu.get_cpu_capability()).lower()
-    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 class _Collector:

@@ -16,6 +16,19 @@ def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+def bf16_is_fast(device: torch.device) -> bool:
+    """bf16 matmuls run on dedicated units: a CUDA GPU (Ampere+), or a CPU with AMX / avx512-bf16."""
+    if device.type == "cuda":  # Ampere and later (is_bf16_supported() also counts emulation)
+        return torch.cuda.get_device_capability(device)[0] >= 8
+    if device.type != "cpu":
+        return False
+    try:
+        flags = open("/proc/cpuinfo").read()  # Linux; elsewhere fall back to torch's capability string
+    except OSError:
+        flags = str(torch.backends.cpu.get_cpu_capability()).lower()
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
 def peak_rss_gib() -> float:
     """Peak resident memory of this process so far (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

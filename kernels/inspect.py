@@ -1,7 +1,7 @@
 """Compile the Triton matmul for an NVIDIA GPU without one, read what the compiler made, and feed it to a
 roofline model (kernels.roofline).
 
-    python -m kernels.inspect [--arch 90] [--formats bf16,w4,24,24w4] [--configs all|0,3]
+    python -m kernels.inspect [--arch 90] [--formats bf16,w4,24,24w4,w4-decode,...] [--configs all|0,3]
                               [--out results/kernels/inspect.json] [--jobs 2] [--table]
 
 Every weight format x every configuration of `GPU_CONFIGS` is compiled for sm_90a (and sm_80 with
@@ -15,8 +15,12 @@ Read per variant: registers and spilled bytes (ptxas -v), shared memory (what th
 whether one block may have it (227 KB on sm_90, 163 KB on sm_80), the main loop, its tensor-core
 instruction, and the global loads of one iteration per stream (activations, weights, 2:4 metadata, scales).
 
+The decode formats (kernels.decode) compile at M = 1 (fp32 FMA) and 16 (`tl.dot`) with their own tiles; the
+roofline model, which has no split-K, leaves them out.
+
 - Main loop: in the SASS, the widest span from a backward branch's target to the branch that holds a
-  tensor-core instruction (the K loop is the kernel's only loop with a dot). Its instructions are counted
+  tensor-core instruction (the K loop is the kernel's only loop with a dot; the decode kernels' widest
+  backward span). Its instructions are counted
   without NOPs: what one warp issues per iteration.
 - Instructions per weight: loop instructions / (BLOCK_N x BLOCK_K / threads), i.e. what one thread issues
   per weight of the [BLOCK_K, BLOCK_N] tile it helps rebuild and multiply.
@@ -55,32 +59,62 @@ from core.device import machine_record
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_write_text, read_json
 from kernels import roofline
+from kernels.decode import DECODE_MAX_M, decode_call
 from kernels.matmul import GPU_CONFIGS, _matmul_kernel
 
 ARCHS = (80, 90)
 FORMATS = {"bf16": (False, False), "w4": (True, False), "24": (False, True), "24w4": (True, True)}  # QUANT, SPARSE
-LABELS = {"bf16": "bf16 (Triton)", "w4": "W4A16", "24": "2:4", "24w4": "2:4+W4"}
+# the decode kernels (kernels.decode): their configs are the M they are compiled at, tiles from its own plan
+DECODE_FORMATS = {"w4-decode": "w4", "24w4-decode": "24w4", "24-decode": "24"}
+DECODE_M = (1, DECODE_MAX_M)
+DECODE_STAGES = 3  # Triton's default, as the decode launcher leaves it
+LABELS = {"bf16": "bf16 (Triton)", "w4": "W4A16", "24": "2:4", "24w4": "2:4+W4", "w4-decode": "W4A16 decode",
+          "24w4-decode": "2:4+W4 decode", "24-decode": "2:4 decode"}
+ALL_FORMATS = [*FORMATS, *DECODE_FORMATS]
 GROUP = 64
 COMPILE_SHAPE = {"M": 16, "N": 14336, "K": 4096}
-STREAMS = {0: "activations", 1: "weights", 2: "metadata", 3: "scales", 4: "output"}  # kernel pointer args
+STREAMS = {"x_ptr": "activations", "w_ptr": "weights", "meta_ptr": "metadata", "s_ptr": "scales",
+           "y_ptr": "output", "o_ptr": "output"}  # kernel pointer arguments by name
 SMEM_LIMIT = {80: 163 * 1024, 90: roofline.H100_SXM.smem_per_block}  # most shared memory a block may use: A100, H100
 MMA_OPS = ("HGMMA", "HMMA")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def launch_args(fmt: str, shape: dict, group: int = GROUP) -> tuple[tuple, dict]:
-    """The kernel's arguments and flags as `_launch` passes them, on empty CPU tensors of the real shapes."""
-    quant, sparse = FORMATS[fmt]
+def _tensors(fmt: str, shape: dict, group: int) -> tuple:
+    quant, sparse = FORMATS[DECODE_FORMATS.get(fmt, fmt)]
     m, n, k = shape["M"], shape["N"], shape["K"]
     stored = k // 2 if sparse else k
     x = torch.empty(m, k, dtype=torch.bfloat16)
     w = torch.empty(n, stored // 8, dtype=torch.int32) if quant else torch.empty(n, stored, dtype=torch.bfloat16)
-    meta = torch.empty(n, k // 32, dtype=torch.int32) if sparse else w
-    scale = torch.empty(n, k // group, dtype=torch.bfloat16) if quant else w
-    y = torch.empty(m, n, dtype=torch.bfloat16)
+    meta = torch.empty(n, k // 32, dtype=torch.int32) if sparse else None
+    scale = torch.empty(n, k // group, dtype=torch.bfloat16) if quant else None
+    return x, w, meta, scale, torch.empty(m, n, dtype=torch.bfloat16)
+
+
+def launch_args(fmt: str, shape: dict, group: int = GROUP) -> tuple[tuple, dict]:
+    """The kernel's arguments and flags as `_launch` passes them, on empty CPU tensors of the real shapes."""
+    quant, sparse = FORMATS[fmt]
+    x, w, meta, scale, y = _tensors(fmt, shape, group)
+    meta = w if meta is None else meta
+    scale = w if scale is None else scale
+    m, n, k = shape["M"], shape["N"], shape["K"]
     args = (x, w, meta, scale, y, m, n, k, x.stride(0), x.stride(1), w.stride(1), w.stride(0), meta.stride(1),
             meta.stride(0), scale.stride(1) if quant else 0, scale.stride(0) if quant else 0, y.stride(0), y.stride(1))
     return args, {"GROUP": group if quant else 1, "QUANT": quant, "SPARSE": sparse, "DOT_FP32": False}
+
+
+def variant_launch(fmt: str, config: int, shape: dict = COMPILE_SHAPE, group: int = GROUP) -> tuple:
+    """(kernel, arguments, keyword options, shape compiled) of one variant: a `GPU_CONFIGS` entry of the
+    matmul kernel, or for a decode format the M = DECODE_M[config] launch of kernels.decode's own plan."""
+    if fmt in DECODE_FORMATS:
+        shape = {**shape, "M": DECODE_M[config]}
+        x, w, meta, scale, y = _tensors(fmt, shape, group)
+        kernel, _, args, opts, _ = decode_call(x, w, meta, scale, y, group, DECODE_FORMATS[fmt], dot_fp32=False)
+        return kernel, args, {"num_stages": DECODE_STAGES, **opts}, shape
+    cfg = GPU_CONFIGS[config]
+    args, flags = launch_args(fmt, shape, group)
+    return _matmul_kernel, args, {**flags, **cfg.kwargs, "num_warps": cfg.num_warps,
+                                  "num_stages": cfg.num_stages}, shape
 
 
 # --- SASS -----------------------------------------------------------------------------------------------------
@@ -107,16 +141,17 @@ def _kind(op: str) -> str:
     return op.split(".")[0]
 
 
-def main_loop(instrs: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
+def main_loop(instrs: list[tuple[int, str, str]], mma: bool = True) -> list[tuple[int, str, str]]:
     """The main loop: the widest span [target, branch] of a backward BRA that holds a tensor-core instruction
-    (the K loop is the only loop with a dot; the BRA-to-itself after EXIT is not a loop). [] if none."""
+    (the K loop is the only loop with a dot; the BRA-to-itself after EXIT is not a loop), or with mma=False
+    (the decode kernels: fp32 FMA, one K loop) the widest backward span. [] if none."""
     best: list = []
     for addr, op, operands in instrs:
         t = re.match(r"(0x[0-9a-f]+)", operands)
         if _kind(op) != "BRA" or not t or int(t.group(1), 16) >= addr:
             continue
         body = [i for i in instrs if int(t.group(1), 16) <= i[0] <= addr]
-        if any(_kind(i[1]) in MMA_OPS for i in body) and len(body) > len(best):
+        if (not mma or any(_kind(i[1]) in MMA_OPS for i in body)) and len(body) > len(best):
             best = body
     return best
 
@@ -144,9 +179,10 @@ def _first_operand(rest: str) -> tuple[str, str]:
     return rest[:end], rest[end:]
 
 
-def ptx_streams(ptx: str) -> dict:
+def ptx_streams(ptx: str, streams: dict[int, str]) -> dict:
     """Per stream, the global loads of one main-loop iteration (per thread): {"<kind> <bytes>B": count} and
-    the distinct (register, offset) addresses among them. A load's stream is the kernel pointer argument its
+    the distinct (register, offset) addresses among them. A load's stream is the kernel pointer argument
+    (`streams`: parameter index -> stream name) its
     address is computed from (def-use chains through the PTX); the loop is LLVM's "Loop Header" label up to
     the last branch back to it (the whole kernel if there is none)."""
     raw_lines = ptx.splitlines()
@@ -182,7 +218,7 @@ def ptx_streams(ptx: str) -> dict:
         seen, stack, found = {reg}, [reg], set()
         while stack:
             r = stack.pop()
-            if r in roots and roots[r] in STREAMS:
+            if r in roots and roots[r] in streams:
                 found.add(roots[r])
             for s in defs.get(r, ()):
                 if s not in seen:
@@ -202,7 +238,7 @@ def ptx_streams(ptx: str) -> dict:
         if not lo <= i <= hi:
             continue
         ptrs = pointer_args(reg)
-        name = STREAMS[ptrs.pop()] if len(ptrs) == 1 else "unattributed"
+        name = streams[ptrs.pop()] if len(ptrs) == 1 else "unattributed"
         s = out.setdefault(name, {"loads": Counter(), "addresses": set()})
         s["loads"][f"{kind} {nbytes}B"] += 1
         s["addresses"].add((reg, off or "0"))
@@ -213,7 +249,7 @@ def ptx_streams(ptx: str) -> dict:
 
 def tile_bytes(fmt: str, bm: int, bn: int, bk: int, group: int = GROUP) -> dict[str, float]:
     """Bytes of each stream one program needs per K step: what a load without repeats would read."""
-    quant, sparse = FORMATS[fmt]
+    quant, sparse = FORMATS[DECODE_FORMATS.get(fmt, fmt)]
     stored = bk / 2 if sparse else bk
     out = {"activations": bm * bk * 2, "weights": stored / 8 * bn * 4 if quant else stored * bn * 2}
     if sparse:
@@ -232,16 +268,14 @@ def compile_variant(fmt: str, config: int, arch: int, shape: dict = COMPILE_SHAP
     if not isinstance(_matmul_kernel, JITFunction):
         raise SmeltError("kernels.matmul was imported under TRITON_INTERPRET=1: compile in a process started "
                          "without it (inspect_all does)")
-    cfg = GPU_CONFIGS[config]
-    args, flags = launch_args(fmt, shape, group)
+    fn, args, kw, shape = variant_launch(fmt, config, shape, group)
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
-    kw = {**flags, **cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     # the launcher's own path from arguments to a specialisation (which ints are constant or divisible by 16)
-    binder = create_function_from_signature(_matmul_kernel.signature, _matmul_kernel.params, backend)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, spec, opts = binder(*args, **kw)
-    options, signature, constexprs, attrs = _matmul_kernel._pack_args(backend, kw, bound, spec, opts)
-    src = triton.compiler.ASTSource(fn=_matmul_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kw, bound, spec, opts)
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     knobs = (triton.knobs.nvidia, "dump_ptxas_log"), (triton.knobs.compilation, "always_compile")
     saved = [getattr(o, a) for o, a in knobs]
     try:
@@ -260,19 +294,21 @@ def compile_variant(fmt: str, config: int, arch: int, shape: dict = COMPILE_SHAP
                                       check=True).stdout for flag in ("-res-usage", "-sass"))
     regs = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
-    loop = loop_stats(main_loop(parse_sass(sass)))
-    names = [p.name for p in _matmul_kernel.params]
-    threads = 32 * cfg.num_warps
-    weights_per_thread = cfg.kwargs["BLOCK_N"] * cfg.kwargs["BLOCK_K"] / threads
+    decode = fmt in DECODE_FORMATS
+    loop = loop_stats(main_loop(parse_sass(sass), mma=not decode))
+    names = [p.name for p in fn.params]
+    blocks = {b: kw[b] for b in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    threads = 32 * kw["num_warps"]
+    weights_per_thread = blocks["BLOCK_N"] * blocks["BLOCK_K"] / threads
     mma = sorted(loop["mma"])
-    streams = ptx_streams(kernel.asm["ptx"])
-    for name, need in tile_bytes(fmt, *(cfg.kwargs[b] for b in ("BLOCK_M", "BLOCK_N", "BLOCK_K")), group).items():
+    streams = ptx_streams(kernel.asm["ptx"], {i: STREAMS[n] for i, n in enumerate(names) if n in STREAMS})
+    for name, need in tile_bytes(fmt, *blocks.values(), group).items():
         if name in streams:  # > 1: the same bytes loaded again by other loads of the same iteration
             loaded = threads * sum(n * int(k.split()[1][:-1]) for k, n in streams[name]["loads"].items())
             streams[name].update(bytes_per_iteration=loaded, tile_bytes=need, reread=loaded / need)
     return {
-        "format": fmt, "arch": arch, "config": config, **cfg.kwargs, "num_warps": cfg.num_warps,
-        "num_stages": cfg.num_stages,
+        "format": fmt, "arch": arch, "config": config, **blocks, "num_warps": kw["num_warps"],
+        "num_stages": kw["num_stages"], "M": shape["M"],
         "specialisation": {"constexpr": {names[k[0]]: v for k, v in constexprs.items() if k[0] < names.index("GROUP")},
                            "divisible_by_16": [names[k[0]] for k, v in attrs.items() if v]},
         "registers": int(regs.group(1)), "stack_bytes": int(regs.group(2)),
@@ -280,7 +316,7 @@ def compile_variant(fmt: str, config: int, arch: int, shape: dict = COMPILE_SHAP
         "spill_load_bytes": int(spill.group(2)) if spill else None,
         "shared_bytes": kernel.metadata.shared, "fits_block": kernel.metadata.shared <= SMEM_LIMIT[arch],
         "loop": loop, "instructions_per_weight": loop["instructions"] / weights_per_thread,
-        "mma_instruction": mma[0] if len(mma) == 1 else (", ".join(mma) or None),
+        "mma_instruction": (mma[0] if len(mma) == 1 else (", ".join(mma) or ("none (FMA)" if decode else None))),
         "streams": streams,
     }
 
@@ -306,7 +342,8 @@ def inspect_all(formats: list[str], configs: list[int], archs: list[int], jobs: 
     """Every (arch, format, config), compiled by `jobs` worker processes, in that order. The workers start
     without TRITON_INTERPRET, which kernels.matmul sets where there is no CUDA: interpreted kernels cannot
     be compiled."""
-    work = [(f, c, a) for a in archs for f in formats for c in configs]
+    work = [(f, c, a) for a in archs for f in formats
+            for c in (range(len(DECODE_M)) if f in DECODE_FORMATS else configs)]
     todo: queue.SimpleQueue = queue.SimpleQueue()
     for i in range(len(work)):
         todo.put(i)
@@ -348,7 +385,7 @@ def model_variants(records: list[dict]) -> dict[str, dict[str, roofline.Variant]
     """format -> {"cfg N": Variant} from the sm_90 records that compiled."""
     out: dict[str, dict[str, roofline.Variant]] = {}
     for r in records:
-        if r["arch"] != 90 or "error" in r or not r["loop"]["instructions"]:
+        if r["arch"] != 90 or "error" in r or not r["loop"]["instructions"] or r["format"] in DECODE_FORMATS:
             continue
         out.setdefault(r["format"], {})[f"cfg {r['config']}"] = roofline.Variant(
             r["BLOCK_M"], r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r["registers"], r["shared_bytes"],
@@ -367,7 +404,8 @@ def render_tables(report: dict) -> str:
     lines = [("| arch | format | config (BM×BN×BK, warps, stages) | regs | spill st/ld B | smem KB | fits "
               "| loop instrs | instr/weight | MMA | weights | metadata | scales | activations |"), "|---" * 14 + "|"]
     for r in report["variants"]:
-        cfg = f"{r['config']}: " + ("–" if "error" in r else f"{r['BLOCK_M']}×{r['BLOCK_N']}×{r['BLOCK_K']}, "
+        name = f"M={DECODE_M[r['config']]}" if r["format"] in DECODE_FORMATS else str(r["config"])
+        cfg = f"{name}: " + ("–" if "error" in r else f"{r['BLOCK_M']}×{r['BLOCK_N']}×{r['BLOCK_K']}, "
                                    f"{r['num_warps']}, {r['num_stages']}")
         head = f"| sm_{r['arch']} | {LABELS[r['format']]} | {cfg} |"
         if "error" in r:
@@ -422,9 +460,10 @@ def _rounded(v):
 def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(prog="python -m kernels.inspect", description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="90", help=f"comma-separated compute capabilities of {ARCHS}")
-    ap.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated of {', '.join(FORMATS)}")
+    ap.add_argument("--formats", default=",".join(ALL_FORMATS), help=f"comma-separated of {', '.join(ALL_FORMATS)}")
     ap.add_argument("--configs", default="all", help=f"'all' or comma-separated indices of GPU_CONFIGS "
-                                                     f"(0..{len(GPU_CONFIGS) - 1})")
+                                                     f"(0..{len(GPU_CONFIGS) - 1}); the decode formats compile "
+                                                     f"M = {', '.join(map(str, DECODE_M))}")
     ap.add_argument("--out", default="results/kernels/inspect.json", help="the JSON written (read by --table)")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="compiling processes")
     ap.add_argument("--table", action="store_true", help="print the markdown tables of --out; compile nothing")
@@ -433,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         print(render_tables(read_json(args.out, "a kernels.inspect report")))
         return 0
     archs = _parse_list(args.arch, ARCHS, "--arch", int)
-    formats = _parse_list(args.formats, list(FORMATS), "--formats")
+    formats = _parse_list(args.formats, ALL_FORMATS, "--formats")
     configs = list(range(len(GPU_CONFIGS))) if args.configs == "all" else \
         _parse_list(args.configs, range(len(GPU_CONFIGS)), "--configs", int)
     if args.jobs < 1:

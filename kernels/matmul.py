@@ -5,7 +5,8 @@
 - 2:4:       the kept half of each row + 4 bits of position metadata per group of 4 (core.packing);
 - 2:4 + W4:  the kept half as int4 codes (packed the same way) + the metadata + the W4 scales.
 
-One kernel does all three: each program rebuilds a [BLOCK_K, BLOCK_N] tile of W.T in registers
+At M <= 16 the entry points run kernels.decode (split-K matrix-vector products over the stored words);
+above, one kernel does all three: each program rebuilds a [BLOCK_K, BLOCK_N] tile of W.T in registers
 (unpack codes, place the kept values at their positions, scale) and feeds it to `tl.dot` with fp32
 accumulation. Triton has no sparse tensor-core instruction, so the 2:4 paths win only by reading fewer
 bytes, which matters where a matmul is memory-bound: decode (small M). At large M the tile rebuild is
@@ -28,6 +29,7 @@ import triton.language as tl
 
 from core.errors import SmeltError
 from core.packing import INT4_PER_WORD, META_INPUTS
+from kernels import decode
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -98,11 +100,12 @@ def _check(cond: bool, msg: str) -> None:
         raise SmeltError(msg)
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, meta: torch.Tensor | None, scale: torch.Tensor | None,
-            out_features: int, group_size: int, quant: bool, sparse: bool) -> torch.Tensor:
+def check_inputs(x: torch.Tensor, w: torch.Tensor, meta: torch.Tensor | None, scale: torch.Tensor | None,
+                 out_features: int, group_size: int, quant: bool, sparse: bool) -> None:
+    """Every shape, dtype and device of one matmul's inputs, one SmeltError line before any launch."""
     _check(x.ndim == 2 and x.dtype in ACT_DTYPES, f"x must be 2-D float16/bfloat16/float32, got {x.dtype} "
            f"{list(x.shape)}")
-    M, K = x.shape
+    K = x.shape[1]
     devices = {t.device for t in (x, w, meta, scale) if t is not None}
     _check(len(devices) == 1, f"kernel inputs on several devices: {sorted(map(str, devices))}")
     _check(x.is_cuda or INTERPRET, "the Triton kernels need a CUDA device or TRITON_INTERPRET=1")
@@ -128,9 +131,19 @@ def _launch(x: torch.Tensor, w: torch.Tensor, meta: torch.Tensor | None, scale: 
                and tuple(meta.shape) == (out_features, K // META_INPUTS),
                f"2:4 meta must be int32 [{out_features}, {K // META_INPUTS}], got "
                f"{None if meta is None else (meta.dtype, list(meta.shape))}")
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, meta: torch.Tensor | None, scale: torch.Tensor | None,
+            out_features: int, group_size: int, quant: bool, sparse: bool) -> torch.Tensor:
+    check_inputs(x, w, meta, scale, out_features, group_size, quant, sparse)
+    M, K = x.shape
     y = torch.empty(M, out_features, dtype=x.dtype, device=x.device)
     if M == 0 or out_features == 0:
         return y
+    fmt = ("24w4" if sparse else "w4") if quant else "24"
+    if decode.supports(fmt, M, group_size if quant else K):  # small M, a group their K block divides
+        return decode.decode_launch(x, w, meta, scale, y, group_size, fmt,
+                                    dot_fp32=INTERPRET or x.dtype == torch.float32)
     meta_t = meta if sparse else w  # unused pointer when dense
     scale_t = scale if quant else w
     args = (x, w, meta_t, scale_t, y, M, out_features, K,

@@ -26,6 +26,18 @@ def test_one_variant_compiles_offline_for_sm90_and_reads_sanely():
     assert "W4A16" in render_tables({"variants": [r]})
 
 
+def test_the_w4_decode_kernel_compiles_without_mma_vector_loads_and_no_spills():
+    (r,) = inspect_all(["w4-decode"], [], [90], jobs=1, progress=False)[:1]
+    assert "error" not in r, r.get("error")
+    assert r["M"] == 1 and r["mma_instruction"] == "none (FMA)" and r["loop"]["instructions"] > 0
+    assert r["spill_store_bytes"] == 0 and r["fits_block"]
+    # each packed word loaded once, 16 bytes at a time; one scale per row and K block
+    assert r["streams"]["weights"]["reread"] == pytest.approx(1.0)
+    assert set(r["streams"]["weights"]["loads"]) == {"ld 16B"}
+    assert r["streams"]["scales"]["reread"] == pytest.approx(1.0)
+    assert "W4A16 decode" in render_tables({"variants": [r]})
+
+
 def test_w4_at_decode_is_memory_bound_and_beats_bf16_by_its_bytes():
     m, n, k = 1, 14336, 4096
     e = roofline.estimate("w4", m, n, k, SMALL, group=64)

@@ -99,7 +99,16 @@ def test_prune_refit_and_true_sequential_reach_their_commands(capsys, tmp_path):
 # the recipe's recover and qat windows where their configs have 4 x 256 (test_recipe_mtp: what the MTP chain keeps)
 RECIPE_WINDOWS = "--training.local_batch_size 1 --training.global_batch_size 2 --training.seq_len 512"
 
-def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
+@pytest.mark.parametrize("bf16_fast", [True, False], ids=["bf16-cpu", "no-bf16-cpu"])
+def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path, monkeypatch, bf16_fast):
+    """The recipe's dtype "auto" resolves once, at planning: bf16 training and needle where the CPU has bf16 units,
+    fp32 where bf16 would be emulated (the config's own dtype: no flag)."""
+    import configs.recipe_spec
+    import core.data
+
+    for module in (configs.recipe_spec, core.data):
+        monkeypatch.setattr(module, "bf16_is_fast", lambda device: bf16_fast)
+    bf16 = " --training.mixed_precision_param bfloat16" if bf16_fast else ""
     smol = tmp_path / "smollm2-config"
     smol.mkdir()
     (smol / "config.json").write_text(json.dumps(config_to_hf(FLAVORS["smollm2-135m"])))
@@ -124,16 +133,16 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
         "reconstruct": [(f"python -m prune.reconstruct --artifact {run}/pruned-2of4 {t} --epochs 2 --inputs block "
                         f"--calib-windows 128 --calib-corpus {MIX} --out {run}/reconstructed-2of4")],
         "recover": [(f"{launch} --config smollm2_recover --student {run}/reconstructed-2of4 {t} --dump_folder "
-                    f"{run}/recovered-2of4-run --export_dir {run}/recovered-2of4 --training.steps 30 {RECIPE_WINDOWS} "
-                    f"--training.mixed_precision_param bfloat16")],
+                    f"{run}/recovered-2of4-run --export_dir {run}/recovered-2of4 --training.steps 30 {RECIPE_WINDOWS}"
+                    f"{bf16}")],
         "quantize": [(f"python -m qat.ptq {t} --artifact {run}/recovered-2of4 --method gptq --act-order "
                      f"--group-size 64 --calib-windows 32 --calib-forward auto --calib-hessian auto --calib-corpus {MIX} "
                      f"--out {run}/gptq-2of4")],
         "qreconstruct": [(f"python -m qat.reconstruct --artifact {run}/gptq-2of4 {t} --epochs 2 --calib-windows 128 "
                          f"--calib-corpus {MIX} --out {run}/gptq-2of4-fit")],
         "qat": [(f"{launch} --config smollm2_qat --student {run}/gptq-2of4-fit {t} --dump_folder "
-                f"{run}/qat-2of4-run --export_dir {run}/qat-2of4 --training.steps 214 {RECIPE_WINDOWS} "
-                f"--training.mixed_precision_param bfloat16 --optimizer.param-groups.0.optimizer-kwargs.lr 0.00024")],
+                f"{run}/qat-2of4-run --export_dir {run}/qat-2of4 --training.steps 214 {RECIPE_WINDOWS}"
+                f"{bf16} --optimizer.param-groups.0.optimizer-kwargs.lr 0.00024")],
         "release": [(f"python -m qat.release --artifact {run}/qat-2of4 --out {run}/release --dtype bfloat16 "
                     f"--sparse-storage mask --metrics {run}/evals/qat-2of4.json")],
         "verify": [f"python -m qat.verify {run}/release",
@@ -144,7 +153,7 @@ def test_smollm2_cpu_plan_runs_recipe_sh_commands(capsys, tmp_path):
     assert list(stages) == ["teacher", "heads", "prune", "reconstruct", "recover", "quantize", "qreconstruct", "qat",
                             "release", "verify", "report"]
     assert stages["teacher"]["commands"] == [f"python -m models.teacher {t}", "python -m core.fetched_corpora zh-train en-news"]
-    windows = " --seq-len 512 --windows en=16,zh=8,code=8,news=16 --batch-size 4 --needle-dtype bfloat16"
+    windows = " --seq-len 512 --windows en=16,zh=8,code=8,news=16 --batch-size 4" + " --needle-dtype bfloat16" * bf16_fast
     assert stages["teacher"]["evaluation"].endswith(f"--out {run}/evals/teacher.json --wandb --needle{windows}")
     assert stages["heads"]["evaluation"] is None
     for name, cmds in expected.items():
@@ -253,7 +262,7 @@ BAD = [
     (["--set", "stages.prune.refit=teacher", "--set", "stages.prune.calib_true_sequential=true"],
      "stages[2]: refit = \"teacher\" needs calib_true_sequential = false"),
     (["--set", "stages.quantize.calib_true_sequential=1"], "stages[5].calib_true_sequential=1 has the wrong type"),
-    (["--set", "eval.needle_dtype=fp8"], "eval.needle_dtype 'fp8' is not float32 or bfloat16"),
+    (["--set", "eval.needle_dtype=fp8"], "eval.needle_dtype 'fp8' is not float32, bfloat16 or auto"),
     (["--set", "stages.prune.skip=attention.wq"], "stages[2].skip='attention.wq' has the wrong type"),
     (["--set", 'stages.prune.skip=["output,attention.wq"]'], "stages[2].skip ['output,attention.wq']: each entry is one module name"),
 ]

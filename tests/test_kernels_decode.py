@@ -1,0 +1,65 @@
+"""The decode kernels (kernels.decode, M <= 16) in Triton's interpreter against the dequantize-then-fp32-matmul
+reference, through kernels.matmul's entry points, which route small M to them."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kernels import _close, _keep24, _w4
+
+from core.errors import SmeltError
+from core.packing import pack_24, pack_int4
+from kernels import decode
+from kernels.matmul import sparse24_matmul, sparse24_w4a16_matmul, w4a16_matmul
+
+# N not a multiple of any BLOCK_N; K of several K blocks, so several split-K slices (and partial sums)
+SHAPES = [(1, 37, 256, 64), (3, 37, 256, 64), (16, 21, 128, 32)]
+
+
+def test_small_shapes_split_k_and_route_here():
+    assert decode.plan("w4", 1, 37, 256, 64)[4] == 4  # four K blocks of 64, one each: partials summed
+    assert decode.plan("w4", 1, 4096, 14336, 64)[4] * 8 >= 2 * decode.SMS  # fills the H100 at 8 row blocks
+    assert decode.supports("w4", 16, 64) and not decode.supports("w4", 17, 64)
+    assert not decode.supports("24w4", 1, 16)  # a group smaller than a metadata word: the tile kernel
+    assert decode.block_m(1) == 1 and decode.block_m(3) == 16
+
+
+@pytest.mark.parametrize("m,n,k,g", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w4_decode_matches_the_reference(m, n, k, g, dtype):
+    gen = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    q, scale, w = _w4(n, k, g, gen)
+    _close(w4a16_matmul(x, pack_int4(q), scale, g), x.float() @ w.T, dtype)
+
+
+@pytest.mark.parametrize("m,n,k,g", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_24w4_decode_matches_the_reference_on_random_masks(m, n, k, g, dtype):
+    gen = torch.Generator().manual_seed(7 * m + n + k)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    q, scale, _ = _w4(n, k, g, gen)
+    keep = _keep24(n, k, gen)
+    keep[0, :4] = torch.tensor([False, False, True, False])  # a group keeping one: a zero slot at a free position
+    q24 = q * keep
+    kept, meta = pack_24(q24, keep)
+    scale = scale.to(torch.bfloat16)  # as the release ships them
+    w24 = q24.float() * scale.float().repeat_interleave(g, dim=1)
+    _close(sparse24_w4a16_matmul(x, pack_int4(kept), meta, scale, g), x.float() @ w24.T, dtype)
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_24_decode_matches_the_reference(m):
+    gen = torch.Generator().manual_seed(m)
+    n, k = 19, 256
+    x = torch.randn(m, k, generator=gen)
+    keep = _keep24(n, k, gen)
+    dense = torch.randn(n, k, generator=gen) * keep
+    values, meta = pack_24(dense, keep)
+    _close(sparse24_matmul(x, values, meta), x @ dense.T, torch.float32)
+
+
+def test_decode_refuses_bad_input_like_the_tile_kernel():
+    gen = torch.Generator().manual_seed(0)
+    q, scale, _ = _w4(16, 128, 64, gen)
+    with pytest.raises(SmeltError, match=r"scale must be float \[16, 2\]"):
+        w4a16_matmul(torch.randn(1, 128), pack_int4(q), scale[:, :1], 64)
