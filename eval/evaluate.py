@@ -141,8 +141,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--needle", action="store_true",
                     help="also run the needle-in-a-haystack evaluation (eval.needle, its default grid) into "
                          "the report's 'needle' section")
-    ap.add_argument("--needle-dtype", help="with --needle: float32 (default) or bfloat16 (a bf16 copy runs "
-                                           "the prompts; the KL evaluation stays fp32)")
+    ap.add_argument("--needle-dtype", help="with --needle: float32 (default), bfloat16 (a bf16 copy runs "
+                                           "the prompts; the KL evaluation stays fp32) or auto (bfloat16 where the "
+                                           "hardware has bf16 units)")
     ap.add_argument("--wandb", action="store_true",
                     help="also log the metrics and table to the stage's wandb run (core.tracking; offline "
                          "unless WANDB_MODE=online)")
