@@ -25,12 +25,11 @@ tokens, the wall time and the machine (the report's `machine` record).
 """
 from __future__ import annotations
 
-import json
 import re
 import sys
-import tomllib
 from pathlib import Path
 
+from configs.schema import read_toml
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_write_text, read_json
 from eval.results_index import describe_machine
@@ -92,12 +91,7 @@ def _fmt_clock(seconds: float) -> str:
 
 
 def load_changes(path: Path) -> list[dict]:
-    if not path.is_file():
-        raise SmeltError(f"{path} does not exist (the list of the default recipe's changes)")
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as e:
-        raise SmeltError(f"{path} does not parse ({' '.join(str(e).split())})") from None
+    data = read_toml(path, "the default recipe's list of changes")
     if set(data) != {"changes"} or not isinstance(data["changes"], list) or not data["changes"]:
         raise SmeltError(f"{path}: expected a non-empty list of [[changes]] and nothing else")
     for i, c in enumerate(data["changes"], 1):

@@ -28,9 +28,9 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
+from configs.schema import read_toml
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_write_text
 
@@ -72,12 +72,7 @@ def entries(results: Path) -> list[str]:
 
 
 def load_index(path: Path) -> dict[str, dict]:
-    if not path.is_file():
-        raise SmeltError(f"{path} does not exist (the hand-kept half of the results index)")
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as e:
-        raise SmeltError(f"{path} does not parse ({' '.join(str(e).split())})") from None
+    data = read_toml(path, "the results index's hand-kept half")
     for name, spec in data.items():
         if not isinstance(spec, dict):
             raise SmeltError(f"{path}: {name!r} must be a table ([\"{name}\"] with question, status, ...)")
