@@ -59,6 +59,12 @@ def _x_bytes(x_ptr, k0, offs_w, stride_xk):
 
 
 @triton.jit
+def _nibbles(w):
+    """Words as (even, odd): byte b holds 16 q of nibble 2 b (even) or 2 b + 1 (odd) as a signed int8."""
+    return ((w << 4) & _NIB_HI) ^ _FLIP, (w & _NIB_HI) ^ _FLIP
+
+
+@triton.jit
 def _byte(half, b: tl.constexpr):
     """Byte b of each word as float: 16 q."""
     return (half >> (8 * b)).to(tl.int8).to(tl.float32)
@@ -80,8 +86,7 @@ def _w4_decode_kernel(x_ptr, w_ptr, s_ptr, o_ptr, M, N, K, STEPS,
     for step in range(step0, tl.minimum(step0 + STEPS, K // BLOCK_K)):
         k0 = tl.multiple_of(step * BLOCK_K, BLOCK_K)
         w = tl.load(w_ptr + rows[:, None] * stride_wn + (k0 // 8 + offs_w)[None, :] * stride_wk)
-        even = ((w << 4) & _NIB_HI) ^ _FLIP  # byte b: 16 q of nibble 2 b
-        odd = (w & _NIB_HI) ^ _FLIP          # byte b: 16 q of nibble 2 b + 1
+        even, odd = _nibbles(w)
         s = tl.load(s_ptr + rows * stride_sn + (k0 // GROUP) * stride_sg).to(tl.float32)
         if BLOCK_M == 1:  # one token: multiply-add in registers, each thread along its own rows
             x0, x1, x2, x3, x4, x5, x6, x7 = _x_bytes(x_ptr, k0, offs_w, stride_xk)
@@ -120,8 +125,9 @@ def _sparse24_row_sums(x_ptr, w_ptr, meta_ptr, rows, k0, offs_a, offs_g, stride_
         meta = tl.load(meta_ptr + rows[None, :] * stride_mn + (k0 // 32 + offs_a // 2)[:, None] * stride_mk)
         meta = meta >> (16 * (offs_a % 2))[:, None]
         shifts = 8 * tl.arange(0, 4)[None, :, None]
-        v0 = (((((w << 4) & _NIB_HI) ^ _FLIP)[:, None, :] >> shifts).to(tl.int8)).to(tl.float32)  # slot 0, 16 q
-        v1 = ((((w & _NIB_HI) ^ _FLIP)[:, None, :] >> shifts).to(tl.int8)).to(tl.float32)         # slot 1
+        even, odd = _nibbles(w)  # slot 0, slot 1
+        v0 = ((even[:, None, :] >> shifts).to(tl.int8)).to(tl.float32)
+        v1 = ((odd[:, None, :] >> shifts).to(tl.int8)).to(tl.float32)
     else:
         meta = tl.load(meta_ptr + rows[None, :] * stride_mn + (k0 // 32 + offs_a)[:, None] * stride_mk)
         offs_v = k0 // 2 + offs_a[:, None] * 16 + tl.arange(0, 16)[None, :]
@@ -148,8 +154,9 @@ def _sparse24_tile_dot(x_ptr, w_ptr, meta_ptr, rows, k0, offs_a, offs_m, M, stri
         meta = tl.load(meta_ptr + rows[:, None] * stride_mn + (k0 // 32 + offs_a // 2)[None, :] * stride_mk)
         meta = meta >> (16 * (offs_a % 2))[None, :]
         shifts = 8 * tl.arange(0, 4)[None, None, :]
-        v0 = (((((w << 4) & _NIB_HI) ^ _FLIP)[:, :, None] >> shifts).to(tl.int8)).to(tl.float32)
-        v1 = ((((w & _NIB_HI) ^ _FLIP)[:, :, None] >> shifts).to(tl.int8)).to(tl.float32)
+        even, odd = _nibbles(w)
+        v0 = ((even[:, :, None] >> shifts).to(tl.int8)).to(tl.float32)
+        v1 = ((odd[:, :, None] >> shifts).to(tl.int8)).to(tl.float32)
     else:
         meta = tl.load(meta_ptr + rows[:, None] * stride_mn + (k0 // 32 + offs_a)[None, :] * stride_mk)
         offs_v = k0 // 2 + offs_a[:, None] * 16 + tl.arange(0, 16)[None, :]
