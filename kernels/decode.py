@@ -1,24 +1,22 @@
-"""Decode kernels (M <= 16) for W4A16, 2:4 + W4 and 2:4, reading the release's tensors in storage order.
+"""The M = 1 kernels (one token: decode) for W4A16, 2:4 + W4 and 2:4, reading the release's tensors in
+storage order: matrix-vector products in fp32 multiply-add, no tensor cores.
 
 Each program owns BLOCK_N output rows and a slice of K (split-K over the grid's second axis, so that a few
 thousand rows still fill every SM). It loads a tile of int32 words with K contiguous (vector loads, every
 word once) and one scale per row: BLOCK_K divides the quantization group, so a K block never straddles two
-scales and the scale multiplies the block's sum, not every weight.
-
-- M = 1: a matrix-vector product in fp32 multiply-add, no tensor cores; each thread holds whole rows of
-  the K block (Triton's layout follows the [rows, words] load for W4; the 2:4 tensors are [.., rows] with
-  rows last for the same reason), so the sums over K stay in registers.
-- 1 < M <= 16: the unpacked codes (or the 2:4 tile made dense) go through `tl.dot` with M padded to 16.
+scales and the scale multiplies the block's sum, not every weight. Each thread holds whole rows of the K
+block (Triton's layout follows the [rows, words] load for W4; the 2:4 tensors are [.., rows] with rows last
+for the same reason), so the sums over K stay in registers.
 
 Unpacking without per-nibble shifts: `w & 0xF0F0F0F0` holds the odd nibbles at the top of each byte and
 `(w << 4) & 0xF0F0F0F0` the even ones; XOR with 0x80808080 turns each stored q + 8 into q, so every byte is
 16 q as a signed int8 and the conversion is a byte-select int-to-float. The 16 is taken out at the end.
-For 2:4 the two nibbles of a byte are one group's two kept codes (slot 0 even, slot 1 odd); at M = 1 each
-is multiplied by the activation at its position, selected among the group's four by two metadata bits
-(slot 0 is at 0-2, slot 1 at 1-3: two selects each), so no dense tile is rebuilt.
+For 2:4 the two nibbles of a byte are one group's two kept codes (slot 0 even, slot 1 odd); each is
+multiplied by the activation at its position, selected among the group's four by two metadata bits (slot 0
+is at 0-2, slot 1 at 1-3: two selects each), so no dense tile is rebuilt.
 
-Split-K writes fp32 partial sums [SPLIT, M, N] that a second small kernel adds in a fixed order (the same
-result every run, no zero-filled buffer, no atomics); with one split the program writes y directly.
+Split-K writes fp32 partial sums [SPLIT, 1, N] that kernels.tile's split_sum_kernel adds in a fixed order;
+with one split the program writes y directly.
 
 Import through kernels.matmul, which decides whether Triton runs interpreted (no CUDA device).
 """
@@ -30,9 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-DECODE_MAX_M = 16
-SMS = 132                 # H100 SXM: the split is chosen to give every SM at least two programs
-MIN_PROGRAMS = 2 * SMS
+from kernels import tile
+
 _NIB_HI = tl.constexpr(-0x0F0F0F10)  # 0xF0F0F0F0 as int32
 _FLIP = tl.constexpr(-0x7F7F7F80)    # 0x80808080 as int32
 
@@ -74,8 +71,7 @@ def _byte(half, b: tl.constexpr):
 def _w4_decode_kernel(x_ptr, w_ptr, s_ptr, o_ptr, M, N, K, STEPS,
                       stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sg,
                       stride_os, stride_om, stride_on,
-                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      DOT_FP32: tl.constexpr):
+                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     WORDS: tl.constexpr = BLOCK_K // 8
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -88,29 +84,16 @@ def _w4_decode_kernel(x_ptr, w_ptr, s_ptr, o_ptr, M, N, K, STEPS,
         w = tl.load(w_ptr + rows[:, None] * stride_wn + (k0 // 8 + offs_w)[None, :] * stride_wk)
         even, odd = _nibbles(w)
         s = tl.load(s_ptr + rows * stride_sn + (k0 // GROUP) * stride_sg).to(tl.float32)
-        if BLOCK_M == 1:  # one token: multiply-add in registers, each thread along its own rows
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x_bytes(x_ptr, k0, offs_w, stride_xk)
-            t = _byte(even, 0) * x0[None, :]  # one chain: every further term is a fused multiply-add
-            t = t + _byte(odd, 0) * x1[None, :]
-            t = t + _byte(even, 1) * x2[None, :]
-            t = t + _byte(odd, 1) * x3[None, :]
-            t = t + _byte(even, 2) * x4[None, :]
-            t = t + _byte(odd, 2) * x5[None, :]
-            t = t + _byte(even, 3) * x6[None, :]
-            t = t + _byte(odd, 3) * x7[None, :]
-            acc += (tl.sum(t, 1) * s)[None, :]
-        else:  # several tokens: the codes as a [BLOCK_K, BLOCK_N] tile for the tensor cores
-            shifts = 8 * tl.arange(0, 4)[None, None, :]
-            q = tl.join((even[:, :, None] >> shifts).to(tl.int8), (odd[:, :, None] >> shifts).to(tl.int8))
-            q = tl.reshape(q, (BLOCK_N, BLOCK_K))
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                        mask=(offs_m < M)[:, None], other=0.0)
-            if DOT_FP32:
-                part = tl.dot(x.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
-            else:  # 16 q is exact in fp16 and bf16
-                part = tl.dot(x, tl.trans(q.to(x.dtype)))
-            acc += part * s[None, :]
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_bytes(x_ptr, k0, offs_w, stride_xk)
+        t = _byte(even, 0) * x0[None, :]  # one chain: every further term is a fused multiply-add
+        t = t + _byte(odd, 0) * x1[None, :]
+        t = t + _byte(even, 1) * x2[None, :]
+        t = t + _byte(odd, 1) * x3[None, :]
+        t = t + _byte(even, 2) * x4[None, :]
+        t = t + _byte(odd, 2) * x5[None, :]
+        t = t + _byte(even, 3) * x6[None, :]
+        t = t + _byte(odd, 3) * x7[None, :]
+        acc += (tl.sum(t, 1) * s)[None, :]
     _store(o_ptr, acc * 0.0625, offs_m, offs_n, M, N, stride_os, stride_om, stride_on)
 
 
@@ -145,45 +128,11 @@ def _sparse24_row_sums(x_ptr, w_ptr, meta_ptr, rows, k0, offs_a, offs_g, stride_
 
 
 @triton.jit
-def _sparse24_tile_dot(x_ptr, w_ptr, meta_ptr, rows, k0, offs_a, offs_m, M, stride_xm, stride_xk, stride_wn,
-                       stride_wk, stride_mn, stride_mk, QUANT: tl.constexpr, A: tl.constexpr, B: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
-    """Several tokens: x [BLOCK_M, BLOCK_K] times the dense [BLOCK_K, BLOCK_N] tile on the tensor cores."""
-    if QUANT:
-        w = tl.load(w_ptr + rows[:, None] * stride_wn + (k0 // 16 + offs_a)[None, :] * stride_wk)
-        meta = tl.load(meta_ptr + rows[:, None] * stride_mn + (k0 // 32 + offs_a // 2)[None, :] * stride_mk)
-        meta = meta >> (16 * (offs_a % 2))[None, :]
-        shifts = 8 * tl.arange(0, 4)[None, None, :]
-        even, odd = _nibbles(w)
-        v0 = ((even[:, :, None] >> shifts).to(tl.int8)).to(tl.float32)
-        v1 = ((odd[:, :, None] >> shifts).to(tl.int8)).to(tl.float32)
-    else:
-        meta = tl.load(meta_ptr + rows[:, None] * stride_mn + (k0 // 32 + offs_a)[None, :] * stride_mk)
-        offs_v = k0 // 2 + offs_a[:, None] * 16 + tl.arange(0, 16)[None, :]
-        v = tl.load(w_ptr + rows[:, None, None] * stride_wn + offs_v[None] * stride_wk).to(tl.float32)
-        v0, v1 = tl.split(tl.reshape(v, (BLOCK_N, A, B, 2)))
-    nib = meta[:, :, None] >> (4 * tl.arange(0, B))[None, None, :]
-    lo0, hi0, lo1, hi1 = (nib & 1) != 0, (nib & 2) != 0, (nib & 4) != 0, (nib & 8) != 0
-    d0 = tl.where(lo0 | hi0, 0.0, v0)
-    d1 = tl.where(lo0 & ~hi0, v0, tl.where(lo1 & ~hi1, v1, 0.0))
-    d2 = tl.where(hi0 & ~lo0, v0, tl.where(hi1 & ~lo1, v1, 0.0))
-    d3 = tl.where(lo1 & hi1, v1, 0.0)
-    dense = tl.reshape(tl.join(tl.join(d0, d2), tl.join(d1, d3)), (BLOCK_N, BLOCK_K))
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=(offs_m < M)[:, None],
-                 other=0.0)
-    if DOT_FP32:
-        return tl.dot(xt.to(tl.float32), tl.trans(dense), input_precision="ieee")
-    return tl.dot(xt, tl.trans(dense.to(xt.dtype)))
-
-
-@triton.jit
 def _sparse24_decode_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, o_ptr, M, N, K, STEPS,
                             stride_xm, stride_xk, stride_wn, stride_wk, stride_mn, stride_mk,
                             stride_sn, stride_sg, stride_os, stride_om, stride_on,
                             GROUP: tl.constexpr, QUANT: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            DOT_FP32: tl.constexpr):
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # A K block is [A, B] groups of 4 inputs: with int4 codes A = packed words (16 inputs, 4 groups each),
     # else A = metadata words (32 inputs, 8 groups each). Group b of A's metadata sits at bits 4 b (+16
     # for the odd packed word of a metadata word).
@@ -198,13 +147,8 @@ def _sparse24_decode_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, o_ptr, M, N, K, STEPS
     step0 = tl.program_id(1) * STEPS
     for step in range(step0, tl.minimum(step0 + STEPS, K // BLOCK_K)):
         k0 = tl.multiple_of(step * BLOCK_K, BLOCK_K)
-        if BLOCK_M == 1:
-            part = _sparse24_row_sums(x_ptr, w_ptr, meta_ptr, rows, k0, offs_a, offs_g, stride_xk, stride_wn, stride_wk,
-                                      stride_mn, stride_mk, QUANT, A, B)[None, :]
-        else:
-            part = _sparse24_tile_dot(x_ptr, w_ptr, meta_ptr, rows, k0, offs_a, offs_m, M, stride_xm, stride_xk,
-                                      stride_wn, stride_wk, stride_mn, stride_mk, QUANT, A, B, BLOCK_N, BLOCK_K,
-                                      DOT_FP32)
+        part = _sparse24_row_sums(x_ptr, w_ptr, meta_ptr, rows, k0, offs_a, offs_g, stride_xk, stride_wn, stride_wk,
+                                  stride_mn, stride_mk, QUANT, A, B)[None, :]
         if QUANT:
             s = tl.load(s_ptr + rows * stride_sn + (k0 // GROUP) * stride_sg).to(tl.float32)
             acc += part * s[None, :]
@@ -215,28 +159,10 @@ def _sparse24_decode_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, o_ptr, M, N, K, STEPS
     _store(o_ptr, acc, offs_m, offs_n, M, N, stride_os, stride_om, stride_on)
 
 
-@triton.jit
-def _split_sum_kernel(p_ptr, y_ptr, SPLIT, MN, BLOCK: tl.constexpr):
-    """y = the sum over splits of partials [SPLIT, M * N], in split order."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < MN
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(SPLIT):
-        acc += tl.load(p_ptr + s * MN + offs, mask=ok, other=0.0)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
-
-
-# (format, BLOCK_M) -> BLOCK_N, num_warps; BLOCK_K is the largest power of two <= KMAX dividing the group.
-DECODE_CONFIGS = {("w4", 1): (512, 4), ("w4", 16): (128, 4), ("24w4", 1): (512, 4), ("24w4", 16): (128, 4),
-                  ("24", 1): (256, 4), ("24", 16): (32, 4)}
+# format -> BLOCK_N, num_warps; BLOCK_K is the largest power of two <= KMAX dividing the group.
+DECODE_CONFIGS = {"w4": (512, 4), "24w4": (512, 4), "24": (256, 4)}
 KMAX = {"w4": 64, "24w4": 64, "24": 128}
 KMIN = {"w4": 8, "24w4": 32, "24": 32}  # one packed word; one metadata word
-SUM_BLOCK = 1024
-
-
-def block_m(m: int) -> int:
-    """1 for the matrix-vector path; the tensor-core path pads M to 16, the smallest `tl.dot` tile."""
-    return 1 if m == 1 else DECODE_MAX_M
 
 
 def block_k(fmt: str, group: int) -> int:
@@ -249,31 +175,27 @@ def block_k(fmt: str, group: int) -> int:
 
 
 def supports(fmt: str, m: int, group: int) -> bool:
-    return 0 < m <= DECODE_MAX_M and block_k(fmt, group) > 0
+    return m == 1 and block_k(fmt, group) > 0
 
 
 @functools.lru_cache(maxsize=256)
-def plan(fmt: str, m: int, n: int, k: int, group: int) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, splits, K blocks per split) for one shape, computed once."""
-    bm = block_m(m)
-    bn, warps = DECODE_CONFIGS[(fmt, bm)]
+def plan(fmt: str, n: int, k: int, group: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, splits, K blocks per split) for one shape, computed once."""
+    bn, warps = DECODE_CONFIGS[fmt]
     bk = block_k(fmt, group)
-    steps = triton.cdiv(k, bk)
-    per = max(1, steps // triton.cdiv(MIN_PROGRAMS, triton.cdiv(n, bn)))  # K blocks per split, rounded down
-    return bm, bn, bk, warps, triton.cdiv(steps, per), per
+    return (bn, bk, warps, *tile.split(1, n, k, 1, bn, bk))
 
 
 def decode_call(x: torch.Tensor, w: torch.Tensor, meta: torch.Tensor | None, scale: torch.Tensor | None,
-                y: torch.Tensor, group: int, fmt: str, dot_fp32: bool) -> tuple:
-    """(kernel, grid, args, options, partials or None) of the decode launch for checked inputs; `fmt` is w4,
+                y: torch.Tensor, group: int, fmt: str) -> tuple:
+    """(kernel, grid, args, options, partials or None) of the M = 1 launch for checked inputs; `fmt` is w4,
     24w4 or 24. kernels.inspect compiles exactly this."""
     (m, k), n = x.shape, y.shape[1]
     quant = scale is not None
-    bm, bn, bk, warps, split, steps = plan(fmt, m, n, k, group if quant else k)
+    bn, bk, warps, split, steps = plan(fmt, n, k, group if quant else k)
     out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     o_strides = (0, y.stride(0), y.stride(1)) if split == 1 else out.stride()
-    opts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "GROUP": group if quant else 1,
-            "DOT_FP32": dot_fp32}
+    opts = {"BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "GROUP": group if quant else 1}
     s = scale if quant else w  # an unused pointer without scales
     s_strides = (s.stride(0), s.stride(1)) if quant else (0, 0)
     if fmt == "w4":
@@ -287,12 +209,10 @@ def decode_call(x: torch.Tensor, w: torch.Tensor, meta: torch.Tensor | None, sca
 
 
 def decode_launch(x: torch.Tensor, w: torch.Tensor, meta: torch.Tensor | None, scale: torch.Tensor | None,
-                  y: torch.Tensor, group: int, fmt: str, dot_fp32: bool) -> torch.Tensor:
-    """y [M, N] = x @ W.T for inputs already checked (kernels.matmul); `fmt` is w4, 24w4 or 24; dot_fp32: the
-    tensor-core path (M > 1) in fp32 (the interpreter, fp32 activations)."""
-    kernel, grid, args, opts, partials = decode_call(x, w, meta, scale, y, group, fmt, dot_fp32)
+                  y: torch.Tensor, group: int, fmt: str) -> torch.Tensor:
+    """y [1, N] = x @ W.T for inputs already checked (kernels.matmul); `fmt` is w4, 24w4 or 24."""
+    kernel, grid, args, opts, partials = decode_call(x, w, meta, scale, y, group, fmt)
     kernel[grid](*args, **opts)
     if partials is not None:
-        mn = y.numel()
-        _split_sum_kernel[(triton.cdiv(mn, SUM_BLOCK),)](partials, y, partials.shape[0], mn, BLOCK=SUM_BLOCK)
+        tile.sum_splits(partials, y)
     return y

@@ -4,24 +4,22 @@ roofline model (kernels.roofline).
     python -m kernels.inspect [--arch 90] [--formats bf16,w4,24,24w4,w4-decode,...] [--configs all|0,3]
                               [--out results/kernels/inspect.json] [--jobs 2] [--table]
 
-Every weight format x every configuration of `GPU_CONFIGS` is compiled for sm_90a (and sm_80 with
-`--arch 80,90`) exactly as `kernels.matmul._launch` would launch it: bf16 activations, bf16 scales, group 64,
-fp32 accumulation, the launcher's strides and Triton's specialisation of the integer arguments (a 1 becomes
-a constant, a multiple of 16 is marked divisible). The shape compiled is Llama-3.1-8B's gate projection at
-M = 16; every layer below has N and K divisible by 16 and so gets the same code at any M divisible by 16.
-M = 1 specialises M to a constant and gives a slightly different kernel, not compiled here.
+Every weight format x every configuration of `TILE_CONFIGS` (kernels.tile, as kernels.matmul launches it
+for 2 <= M <= 64 with split-K, and for larger M) and the M = 1 kernels (kernels.decode) are compiled for
+sm_90a (and sm_80 with `--arch 80,90`): bf16 activations, bf16 scales, group 64, fp32 accumulation, the
+launcher's strides and Triton's specialisation of the integer arguments (a 1 becomes a constant, a multiple
+of 16 is marked divisible). The shape is Llama-3.1-8B's gate projection (4096 -> 14336) at M = 16 for the
+small config, 2048 for the large ones, 1 for the decode formats; every layer of the model has N and K
+divisible by 16 and so gets the same code.
 
-Read per variant: registers and spilled bytes (ptxas -v), shared memory (what the launch asks for) and
-whether one block may have it (227 KB on sm_90, 163 KB on sm_80), the main loop, its tensor-core
-instruction, and the global loads of one iteration per stream (activations, weights, 2:4 metadata, scales).
-
-The decode formats (kernels.decode) compile at M = 1 (fp32 FMA) and 16 (`tl.dot`) with their own tiles; the
-roofline model, which has no split-K, leaves them out.
+Read per variant: registers and spilled bytes (ptxas -v), shared memory (what the launch asks for, beside
+kernels.tile's estimate that the autotuner prunes with) and whether one block may have it (227 KB on sm_90,
+163 KB on sm_80), the main loop, its tensor-core instruction, and the global loads of one iteration per
+stream (activations, weights, 2:4 metadata, scales).
 
 - Main loop: in the SASS, the widest span from a backward branch's target to the branch that holds a
-  tensor-core instruction (the K loop is the kernel's only loop with a dot; the decode kernels' widest
-  backward span). Its instructions are counted
-  without NOPs: what one warp issues per iteration.
+  tensor-core instruction (the K loop is the kernel's only loop with a dot; the M = 1 kernels' widest
+  backward span). Its instructions are counted without NOPs: what one warp issues per iteration.
 - Instructions per weight: loop instructions / (BLOCK_N x BLOCK_K / threads), i.e. what one thread issues
   per weight of the [BLOCK_K, BLOCK_N] tile it helps rebuild and multiply.
 - Loads per stream: in the PTX's loop (LLVM's "Loop Header" label to the branch back to it), each
@@ -58,21 +56,25 @@ from core.device import machine_record
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_write_text, read_json
 from kernels import roofline
-from kernels.decode import DECODE_MAX_M, decode_call
-from kernels.matmul import GPU_CONFIGS, _matmul_kernel
+from kernels.decode import decode_call
+from kernels.matmul import LARGE_CONFIGS, SMALL_BLOCK, SMALL_OPTIONS
 from kernels.sass import loop_stats, main_loop, parse_sass, ptx_streams
+from kernels.tile import smem_bytes, tile_call, tile_kernel
 
 ARCHS = (80, 90)
 FORMATS = {"bf16": (False, False), "w4": (True, False), "24": (False, True), "24w4": (True, True)}  # QUANT, SPARSE
-# the decode kernels (kernels.decode): their configs are the M they are compiled at, tiles from its own plan
+# the M = 1 kernels (kernels.decode), compiled with their own plan's tile
 DECODE_FORMATS = {"w4-decode": "w4", "24w4-decode": "24w4", "24-decode": "24"}
-DECODE_M = (1, DECODE_MAX_M)
-DECODE_STAGES = 3  # Triton's default, as the decode launcher leaves it
-LABELS = {"bf16": "bf16 (Triton)", "w4": "W4A16", "24": "2:4", "24w4": "2:4+W4", "w4-decode": "W4A16 decode",
-          "24w4-decode": "2:4+W4 decode", "24-decode": "2:4 decode"}
+LABELS = {"bf16": "bf16 (Triton)", "w4": "W4A16", "24": "2:4", "24w4": "2:4+W4", "w4-decode": "W4A16 M=1",
+          "24w4-decode": "2:4+W4 M=1", "24-decode": "2:4 M=1"}
 ALL_FORMATS = [*FORMATS, *DECODE_FORMATS]
 GROUP = 64
-COMPILE_SHAPE = {"M": 16, "N": 14336, "K": 4096}
+SHAPE = {"N": 14336, "K": 4096}  # Llama-3.1-8B's gate projection
+# the tile kernel's configurations as kernels.matmul launches them: (name, M compiled at, (BLOCK_M, BLOCK_N),
+# warps, stages, split-K); the decode formats have one, at M = 1
+TILE_CONFIGS = [("small", 16, SMALL_BLOCK, SMALL_OPTIONS["num_warps"], SMALL_OPTIONS["num_stages"], True)] + [
+    (f"large {i}", 2048, (bm, bn), w, st, False) for i, (bm, bn, w, st) in enumerate(LARGE_CONFIGS)]
+DECODE_M = 1
 STREAMS = {"x_ptr": "activations", "w_ptr": "weights", "meta_ptr": "metadata", "s_ptr": "scales",
            "y_ptr": "output", "o_ptr": "output"}  # kernel pointer arguments by name
 SMEM_LIMIT = {80: 163 * 1024, 90: roofline.H100_SXM.smem_per_block}  # most shared memory a block may use: A100, H100
@@ -90,30 +92,23 @@ def _tensors(fmt: str, shape: dict, group: int) -> tuple:
     return x, w, meta, scale, torch.empty(m, n, dtype=torch.bfloat16)
 
 
-def launch_args(fmt: str, shape: dict, group: int = GROUP) -> tuple[tuple, dict]:
-    """The kernel's arguments and flags as `_launch` passes them, on empty CPU tensors of the real shapes."""
-    quant, sparse = FORMATS[fmt]
-    x, w, meta, scale, y = _tensors(fmt, shape, group)
-    meta = w if meta is None else meta
-    scale = w if scale is None else scale
-    m, n, k = shape["M"], shape["N"], shape["K"]
-    args = (x, w, meta, scale, y, m, n, k, x.stride(0), x.stride(1), w.stride(1), w.stride(0), meta.stride(1),
-            meta.stride(0), scale.stride(1) if quant else 0, scale.stride(0) if quant else 0, y.stride(0), y.stride(1))
-    return args, {"GROUP": group if quant else 1, "QUANT": quant, "SPARSE": sparse, "DOT_FP32": False}
+def configs_of(fmt: str) -> list[int]:
+    return [0] if fmt in DECODE_FORMATS else list(range(len(TILE_CONFIGS)))
 
 
-def variant_launch(fmt: str, config: int, shape: dict = COMPILE_SHAPE, group: int = GROUP) -> tuple:
-    """(kernel, arguments, keyword options, shape compiled) of one variant: a `GPU_CONFIGS` entry of the
-    matmul kernel, or for a decode format the M = DECODE_M[config] launch of kernels.decode's own plan."""
+def variant_launch(fmt: str, config: int, shape: dict = SHAPE, group: int = GROUP) -> tuple:
+    """(kernel, arguments, keyword options, shape compiled, splits) of one variant: a TILE_CONFIGS entry of
+    the tile kernel, or for a decode format kernels.decode's M = 1 launch."""
     if fmt in DECODE_FORMATS:
-        shape = {**shape, "M": DECODE_M[config]}
+        shape = {**shape, "M": DECODE_M}
         x, w, meta, scale, y = _tensors(fmt, shape, group)
-        kernel, _, args, opts, _ = decode_call(x, w, meta, scale, y, group, DECODE_FORMATS[fmt], dot_fp32=False)
-        return kernel, args, {"num_stages": DECODE_STAGES, **opts}, shape
-    cfg = GPU_CONFIGS[config]
-    args, flags = launch_args(fmt, shape, group)
-    return _matmul_kernel, args, {**flags, **cfg.kwargs, "num_warps": cfg.num_warps,
-                                  "num_stages": cfg.num_stages}, shape
+        kernel, grid, args, opts, _ = decode_call(x, w, meta, scale, y, group, DECODE_FORMATS[fmt])
+        return kernel, args, {"num_stages": 3, **opts}, shape, grid[1]
+    _, m, block, warps, stages, split_k = TILE_CONFIGS[config]
+    shape = {**shape, "M": m}
+    x, w, meta, scale, y = _tensors(fmt, shape, group)
+    grid, args, opts, _ = tile_call(x, w, meta, scale, y, group, fmt, block, split_k, dot_fp32=False)
+    return tile_kernel, args, {**opts, "num_warps": warps, "num_stages": stages}, shape, grid[1]
 
 
 # --- one variant ------------------------------------------------------------------------------------------------
@@ -134,12 +129,9 @@ def _tool(name: str) -> str:
     return getattr(triton.knobs.nvidia, name).path
 
 
-def compile_variant(fmt: str, config: int, arch: int, shape: dict = COMPILE_SHAPE, group: int = GROUP) -> dict:
-    """Compile one (format, config, arch) offline and read its cubin, SASS and PTX."""
-    if not isinstance(_matmul_kernel, JITFunction):
-        raise SmeltError("kernels.matmul was imported under TRITON_INTERPRET=1: compile in a process started "
-                         "without it (inspect_all does)")
-    fn, args, kw, shape = variant_launch(fmt, config, shape, group)
+def compile_launch(fn: JITFunction, args: tuple, kw: dict, arch: int) -> tuple:
+    """Compile `fn[grid](*args, **kw)` for sm_<arch> as the launcher would specialise it, without a GPU:
+    (compiled kernel, constexprs, attrs, ptxas log, cuobjdump -res-usage, cuobjdump -sass)."""
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     # the launcher's own path from arguments to a specialisation (which ints are constant or divisible by 16)
@@ -157,12 +149,21 @@ def compile_variant(fmt: str, config: int, arch: int, shape: dict = COMPILE_SHAP
     finally:
         for (o, a), v in zip(knobs, saved):
             setattr(o, a, v)
-    ptxas = log.getvalue()
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
         usage, sass = (subprocess.run([_tool("cuobjdump"), flag, str(cubin)], capture_output=True, text=True,
                                       check=True).stdout for flag in ("-res-usage", "-sass"))
+    return kernel, constexprs, attrs, log.getvalue(), usage, sass
+
+
+def compile_variant(fmt: str, config: int, arch: int, shape: dict = SHAPE, group: int = GROUP) -> dict:
+    """Compile one (format, config, arch) offline and read its cubin, SASS and PTX."""
+    if not isinstance(tile_kernel, JITFunction):
+        raise SmeltError("kernels.matmul was imported under TRITON_INTERPRET=1: compile in a process started "
+                         "without it (inspect_all does)")
+    fn, args, kw, shape, splits = variant_launch(fmt, config, shape, group)
+    kernel, constexprs, attrs, ptxas, usage, sass = compile_launch(fn, args, kw, arch)
     regs = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
     decode = fmt in DECODE_FORMATS
@@ -178,14 +179,16 @@ def compile_variant(fmt: str, config: int, arch: int, shape: dict = COMPILE_SHAP
             loaded = threads * sum(n * int(k.split()[1][:-1]) for k, n in streams[name]["loads"].items())
             streams[name].update(bytes_per_iteration=loaded, tile_bytes=need, reread=loaded / need)
     return {
-        "format": fmt, "arch": arch, "config": config, **blocks, "num_warps": kw["num_warps"],
-        "num_stages": kw["num_stages"], "M": shape["M"],
+        "format": fmt, "arch": arch, "config": config, "name": "M=1" if decode else TILE_CONFIGS[config][0],
+        **blocks, "num_warps": kw["num_warps"], "num_stages": kw["num_stages"], "M": shape["M"], "splits": splits,
+        "split_k": decode or TILE_CONFIGS[config][5],
         "specialisation": {"constexpr": {names[k[0]]: v for k, v in constexprs.items() if k[0] < names.index("GROUP")},
                            "divisible_by_16": [names[k[0]] for k, v in attrs.items() if v]},
         "registers": int(regs.group(1)), "stack_bytes": int(regs.group(2)),
         "spill_store_bytes": int(spill.group(1)) if spill else None,
         "spill_load_bytes": int(spill.group(2)) if spill else None,
         "shared_bytes": kernel.metadata.shared, "fits_block": kernel.metadata.shared <= SMEM_LIMIT[arch],
+        "shared_bytes_estimate": None if decode else smem_bytes(fmt, *blocks.values(), kw["num_stages"]),
         "loop": loop, "instructions_per_weight": loop["instructions"] / weights_per_thread,
         "mma_instruction": (mma[0] if len(mma) == 1 else (", ".join(mma) or ("none (FMA)" if decode else None))),
         "streams": streams,
@@ -214,7 +217,7 @@ def inspect_all(formats: list[str], configs: list[int], archs: list[int], jobs: 
     without TRITON_INTERPRET, which kernels.matmul sets where there is no CUDA: interpreted kernels cannot
     be compiled."""
     work = [(f, c, a) for a in archs for f in formats
-            for c in (range(len(DECODE_M)) if f in DECODE_FORMATS else configs)]
+            for c in (configs_of(f) if f in DECODE_FORMATS else configs)]
     todo: queue.SimpleQueue = queue.SimpleQueue()
     for i in range(len(work)):
         todo.put(i)
@@ -253,14 +256,20 @@ def inspect_all(formats: list[str], configs: list[int], archs: list[int], jobs: 
 # --- the model on top, and the tables -----------------------------------------------------------------------------
 
 def model_variants(records: list[dict]) -> dict[str, dict[str, roofline.Variant]]:
-    """format -> {"cfg N": Variant} from the sm_90 records that compiled."""
+    """format -> {variant name: Variant} from the sm_90 records that compiled; the M = 1 kernels join their
+    format's tile variants under the route kernels.matmul gives them."""
     out: dict[str, dict[str, roofline.Variant]] = {}
     for r in records:
-        if r["arch"] != 90 or "error" in r or not r["loop"]["instructions"] or r["format"] in DECODE_FORMATS:
+        if r["arch"] != 90 or "error" in r or not r["loop"]["instructions"]:
             continue
-        out.setdefault(r["format"], {})[f"cfg {r['config']}"] = roofline.Variant(
-            r["BLOCK_M"], r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r["registers"], r["shared_bytes"],
-            r["loop"]["instructions"], (r["mma_instruction"] or "").startswith("HGMMA"))
+        mma = r["mma_instruction"] or ""
+        decode = r["format"] in DECODE_FORMATS
+        route = "m1" if decode else ("small" if TILE_CONFIGS[r["config"]][5] else "large")
+        out.setdefault(DECODE_FORMATS.get(r["format"], r["format"]), {})[r.get("name", str(r["config"]))] = \
+            roofline.Variant(r["BLOCK_M"], r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r["registers"],
+                             r["shared_bytes"], r["loop"]["instructions"],
+                             "hgmma" if mma.startswith("HGMMA") else "hmma" if mma.startswith("HMMA") else "none",
+                             route, decode or TILE_CONFIGS[r["config"]][5])
     return out
 
 
@@ -275,7 +284,7 @@ def render_tables(report: dict) -> str:
     lines = [("| arch | format | config (BM×BN×BK, warps, stages) | regs | spill st/ld B | smem KB | fits "
               "| loop instrs | instr/weight | MMA | weights | metadata | scales | activations |"), "|---" * 14 + "|"]
     for r in report["variants"]:
-        name = f"M={DECODE_M[r['config']]}" if r["format"] in DECODE_FORMATS else str(r["config"])
+        name = r.get("name") or ("M=1" if r["format"] in DECODE_FORMATS else TILE_CONFIGS[r["config"]][0])
         cfg = f"{name}: " + ("–" if "error" in r else f"{r['BLOCK_M']}×{r['BLOCK_N']}×{r['BLOCK_K']}, "
                                    f"{r['num_warps']}, {r['num_stages']}")
         head = f"| sm_{r['arch']} | {LABELS[r['format']]} | {cfg} |"
@@ -332,9 +341,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(prog="python -m kernels.inspect", description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="90", help=f"comma-separated compute capabilities of {ARCHS}")
     ap.add_argument("--formats", default=",".join(ALL_FORMATS), help=f"comma-separated of {', '.join(ALL_FORMATS)}")
-    ap.add_argument("--configs", default="all", help=f"'all' or comma-separated indices of GPU_CONFIGS "
-                                                     f"(0..{len(GPU_CONFIGS) - 1}); the decode formats compile "
-                                                     f"M = {', '.join(map(str, DECODE_M))}")
+    ap.add_argument("--configs", default="all", help=f"'all' or comma-separated indices of TILE_CONFIGS "
+                                                     f"(0..{len(TILE_CONFIGS) - 1}: "
+                                                     f"{', '.join(c[0] for c in TILE_CONFIGS)}); the M = 1 formats "
+                                                     f"have one")
     ap.add_argument("--out", default="results/kernels/inspect.json", help="the JSON written (read by --table)")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="compiling processes")
     ap.add_argument("--table", action="store_true", help="print the markdown tables of --out; compile nothing")
@@ -344,8 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     archs = _parse_list(args.arch, ARCHS, "--arch", int)
     formats = _parse_list(args.formats, ALL_FORMATS, "--formats")
-    configs = list(range(len(GPU_CONFIGS))) if args.configs == "all" else \
-        _parse_list(args.configs, range(len(GPU_CONFIGS)), "--configs", int)
+    configs = list(range(len(TILE_CONFIGS))) if args.configs == "all" else \
+        _parse_list(args.configs, range(len(TILE_CONFIGS)), "--configs", int)
     if args.jobs < 1:
         raise SmeltError(f"--jobs must be >= 1, got {args.jobs}")
     t0 = time.time()
@@ -354,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
               "machine": machine_record(), "triton": triton.__version__,
               "ptxas": subprocess.run([_tool("ptxas"), "--version"], capture_output=True, text=True,
                                       check=True).stdout.strip().splitlines()[-1],
-              "python": platform.python_version(), "compiled_shape": {**COMPILE_SHAPE, "group": GROUP,
+              "python": platform.python_version(), "compiled_shape": {**SHAPE, "group": GROUP,
                                                                       "dtype": "bfloat16"},
               "variants": records}
     if 90 in archs:

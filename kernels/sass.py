@@ -57,7 +57,8 @@ def loop_stats(body: list[tuple[int, str, str]]) -> dict:
             "mma": dict(Counter(op for op in ops if kind(op) in MMA_OPS)),
             "global_loads": dict(Counter(op for op in ops if kind(op) in ("LDG", "LDGSTS", "UTMALDG"))),
             "shared_accesses": sum(kind(op) in ("LDS", "LDSM", "STS") for op in ops),
-            "local_accesses": sum(kind(op) in ("LDL", "STL") for op in ops)}
+            "local_accesses": sum(kind(op) in ("LDL", "STL") for op in ops),
+            "by_kind": dict(Counter(map(kind, ops)).most_common())}
 
 
 # --- PTX: which stream each global load reads, and how wide ---------------------------------------------------

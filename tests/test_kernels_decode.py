@@ -1,5 +1,5 @@
-"""The decode kernels (kernels.decode, M <= 16) in Triton's interpreter against the dequantize-then-fp32-matmul
-reference, through kernels.matmul's entry points, which route small M to them."""
+"""The M = 1 kernels (kernels.decode) and the split-K tile (kernels.tile, 2 <= M <= 64) in Triton's interpreter
+against the dequantize-then-fp32-matmul reference, through kernels.matmul's entry points."""
 from __future__ import annotations
 
 import pytest
@@ -8,19 +8,22 @@ from test_kernels import _close, _keep24, _w4
 
 from core.errors import SmeltError
 from core.packing import pack_24, pack_int4
-from kernels import decode
+from kernels import decode, tile
 from kernels.matmul import sparse24_matmul, sparse24_w4a16_matmul, w4a16_matmul
 
 # N not a multiple of any BLOCK_N; K of several K blocks, so several split-K slices (and partial sums)
-SHAPES = [(1, 37, 256, 64), (3, 37, 256, 64), (16, 21, 128, 32)]
+SHAPES = [(1, 37, 256, 64), (3, 37, 256, 64), (16, 21, 128, 32), (70, 21, 128, 64)]
 
 
 def test_small_shapes_split_k_and_route_here():
-    assert decode.plan("w4", 1, 37, 256, 64)[4] == 4  # four K blocks of 64, one each: partials summed
-    assert decode.plan("w4", 1, 4096, 14336, 64)[4] * 8 >= 2 * decode.SMS  # fills the H100 at 8 row blocks
-    assert decode.supports("w4", 16, 64) and not decode.supports("w4", 17, 64)
-    assert not decode.supports("24w4", 1, 16)  # a group smaller than a metadata word: the tile kernel
-    assert decode.block_m(1) == 1 and decode.block_m(3) == 16
+    assert decode.plan("w4", 37, 256, 64)[3] == 4  # four K blocks of 64, one each: partials summed
+    bn, _, _, splits, _ = decode.plan("w4", 14336, 4096, 64)
+    assert -(-14336 // bn) * splits >= 2 * tile.SMS  # one token still fills the H100
+    assert decode.supports("w4", 1, 64) and not decode.supports("w4", 2, 64)
+    # the tile: splits fill the GPU at decode-sized M, partial sums stay small against the weights
+    assert tile.split(16, 14336, 4096, 64, 256, 64) == (4, 16)
+    assert tile.split(2048, 14336, 4096, 64, 256, 64)[0] == 1
+    assert tile.block_k("w4", 64) == 64 and tile.block_k("w4", 24) == 8 and tile.block_k("24w4", 16) == 0
 
 
 @pytest.mark.parametrize("m,n,k,g", SHAPES)
@@ -63,3 +66,8 @@ def test_decode_refuses_bad_input_like_the_tile_kernel():
     q, scale, _ = _w4(16, 128, 64, gen)
     with pytest.raises(SmeltError, match=r"scale must be float \[16, 2\]"):
         w4a16_matmul(torch.randn(1, 128), pack_int4(q), scale[:, :1], 64)
+    keep = _keep24(16, 128, gen)
+    kept, meta = pack_24(q * keep, keep)
+    s16 = torch.rand(16, 8) + 0.05
+    with pytest.raises(SmeltError, match="group_size 16: 24w4 kernels need a multiple of 32"):
+        sparse24_w4a16_matmul(torch.randn(2, 128), pack_int4(kept), meta, s16, 16)

@@ -1,0 +1,217 @@
+"""The tensor-core kernel (M > 1) for bf16, W4A16, 2:4 and 2:4 + W4 weights, read in storage order.
+
+Each program owns a [BLOCK_M, BLOCK_N] output tile and a slice of K (split-K over the grid's second axis
+when the tiles alone would leave SMs idle: decode-sized M). Per K block it loads the weight rows with K
+contiguous (16-byte vector loads, every byte once), one scale per row (BLOCK_K divides the quantization
+group), rebuilds the [BLOCK_N, BLOCK_K] bf16 tile in registers and runs `tl.dot` with fp32 accumulation
+(wgmma on sm_90 for BLOCK_M >= 64).
+
+W4 codes become bf16 without a conversion instruction: `(w >> 4 i) & 0x000F000F | 0x43004300` puts codes i
+and i + 4 of a word into one register as the bf16 bits of 128 + code; subtracting 136 is exact (bf16 holds
+every integer up to 256), so one bf16x2 add and one bf16x2 multiply by the scale give round(q * scale),
+the same bf16 value the fp32 path rounds to. The interpreter's bf16 arithmetic is not trustworthy, so there
+(and for fp32 activations) the subtract and multiply run in fp32.
+
+2:4: the group's two kept values (slot 0, slot 1) are placed at their positions from the metadata's two
+2-bit fields; the dense tile then goes through the same dot. Triton has no sparse tensor-core instruction:
+2:4 saves bytes, not multiply-adds.
+
+Import through kernels.matmul, which decides whether Triton runs interpreted (no CUDA device).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+SMALL_M = 64              # up to this M, kernels.matmul runs one fixed tile with split-K (decode-sized batches)
+SMS = 132                 # H100 SXM: a small grid is split along K until every SM has two programs
+MIN_PROGRAMS = 2 * SMS
+BF16_128X2 = 0x43004300   # bf16 128.0 in both halves of a word: passed as an argument, so that ptxas keeps
+#                           it in a register and fuses mask and or into one LOP3
+
+
+@triton.jit
+def _w4_codes(w, magic, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Words [BLOCK_N, BLOCK_K / 8] -> [BLOCK_N, BLOCK_K] bf16 holding 128 + stored code (q + 136), K order."""
+    w = w.to(tl.uint32, bitcast=True)
+    t0 = (w & 0x000F000F) | magic        # codes 0 (low half) and 4 (high half)
+    t1 = ((w >> 4) & 0x000F000F) | magic  # 1 and 5
+    t2 = ((w >> 8) & 0x000F000F) | magic  # 2 and 6
+    t3 = ((w >> 12) & 0x000F000F) | magic  # 3 and 7
+    t = tl.join(tl.join(t0, t2), tl.join(t1, t3))  # [.., a, b]: code 2 a + b, and 2 a + b + 4
+    v = tl.join(t.to(tl.uint16), (t >> 16).to(tl.uint16))  # [.., a, b, h]: code 4 h + 2 a + b
+    v = tl.permute(v, (0, 1, 4, 2, 3))
+    return tl.reshape(v, (BLOCK_N, BLOCK_K)).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _kept_pairs(w, magic, A: tl.constexpr, BLOCK_N: tl.constexpr):
+    """2:4 + W4 words [BLOCK_N, A] (4 groups of 2 kept codes each) -> slot 0, slot 1 [BLOCK_N, A, 4] as bf16
+    128 + code: group j's two codes are nibbles 2 j and 2 j + 1."""
+    w = w.to(tl.uint32, bitcast=True)
+    shifts = (8 * tl.arange(0, 4))[None, None, :]
+    t = ((w[:, :, None] >> shifts) & 0xF) | (((w[:, :, None] >> shifts) << 12) & 0xF0000) | magic
+    return t.to(tl.uint16).to(tl.bfloat16, bitcast=True), (t >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _dequant(v, s, FP32: tl.constexpr, DTYPE: tl.constexpr):
+    """(128 + code - 136) x scale: exact subtract, one rounding; s broadcasts over v's trailing dims."""
+    if FP32:
+        return ((v.to(tl.float32) - 136.0) * s.to(tl.float32)).to(DTYPE)
+    return ((v - 136.0) * s.to(tl.bfloat16)).to(DTYPE)
+
+
+@triton.jit
+def _place24(v0, v1, meta, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Kept values [BLOCK_N, A, B] and their metadata nibbles -> the dense [BLOCK_N, BLOCK_K] tile. Slot 0 sits
+    at 0-2 (bits 0-1), slot 1 at 1-3 (bits 2-3)."""
+    lo0, hi0, lo1, hi1 = (meta & 1) != 0, (meta & 2) != 0, (meta & 4) != 0, (meta & 8) != 0
+    zero = tl.zeros_like(v0)
+    d0 = tl.where(lo0 | hi0, zero, v0)
+    d1 = tl.where(lo0 & ~hi0, v0, tl.where(lo1 & ~hi1, v1, zero))
+    d2 = tl.where(hi0 & ~lo0, v0, tl.where(hi1 & ~lo1, v1, zero))
+    d3 = tl.where(lo1 & hi1, v1, zero)
+    return tl.reshape(tl.join(tl.join(d0, d2), tl.join(d1, d3)), (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _weight_tile(w_ptr, meta_ptr, s_ptr, magic, rows, k0, stride_wn, stride_wk, stride_mn, stride_mk,
+                 stride_sn, stride_sg, GROUP: tl.constexpr, QUANT: tl.constexpr, SPARSE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr, DTYPE: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] tile of W at K offset k0 in DTYPE, from the stored tensors in storage order."""
+    if QUANT:
+        s = tl.load(s_ptr + rows * stride_sn + (k0 // GROUP) * stride_sg)  # one scale per row: BLOCK_K | GROUP
+    if SPARSE:
+        # a K block is [A, B] groups of 4 inputs: with int4 codes A = packed words (16 inputs, 4 groups each),
+        # else A = metadata words (32 inputs, 8 groups); group b of A's metadata sits at bits 4 b (+16 for the
+        # odd packed word of a metadata word)
+        B: tl.constexpr = 4 if QUANT else 8
+        A: tl.constexpr = BLOCK_K // (4 * B)
+        offs_a = tl.arange(0, A)
+        if QUANT:
+            w = tl.load(w_ptr + rows[:, None] * stride_wn + (k0 // 16 + offs_a)[None, :] * stride_wk)
+            meta = tl.load(meta_ptr + rows[:, None] * stride_mn + (k0 // 32 + offs_a // 2)[None, :] * stride_mk)
+            meta = meta >> (16 * (offs_a % 2))[None, :]
+            v0, v1 = _kept_pairs(w, magic, A, BLOCK_N)
+            v0 = _dequant(v0, s[:, None, None], FP32, DTYPE)
+            v1 = _dequant(v1, s[:, None, None], FP32, DTYPE)
+        else:
+            meta = tl.load(meta_ptr + rows[:, None] * stride_mn + (k0 // 32 + offs_a)[None, :] * stride_mk)
+            offs_v = k0 // 2 + offs_a[:, None] * 16 + tl.arange(0, 16)[None, :]
+            v = tl.load(w_ptr + rows[:, None, None] * stride_wn + offs_v[None] * stride_wk).to(DTYPE)
+            v0, v1 = tl.split(tl.reshape(v, (BLOCK_N, A, B, 2)))
+        nib = meta[:, :, None] >> (4 * tl.arange(0, B))[None, None, :]
+        return _place24(v0, v1, nib, BLOCK_N, BLOCK_K)
+    if QUANT:
+        w = tl.load(w_ptr + rows[:, None] * stride_wn + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :] * stride_wk)
+        return _dequant(_w4_codes(w, magic, BLOCK_N, BLOCK_K), s[:, None], FP32, DTYPE)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :] * stride_wk).to(DTYPE)
+
+
+@triton.jit
+def tile_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, o_ptr, magic, M, N, K, STEPS,
+                stride_xm, stride_xk, stride_wn, stride_wk, stride_mn, stride_mk, stride_sn, stride_sg,
+                stride_os, stride_om, stride_on, M_BUCKET,
+                GROUP: tl.constexpr, QUANT: tl.constexpr, SPARSE: tl.constexpr, DOT_FP32: tl.constexpr,
+                DEQUANT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """o[split] = x @ W.T over this program's K slice; grid (N blocks, splits, M blocks). DOT_FP32: the dot in
+    ieee fp32 (the interpreter, fp32 activations); DEQUANT_FP32: codes x scales in fp32 (all but bf16 on a GPU).
+    M_BUCKET is the autotuner's key only."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.where(offs_n < N, offs_n, 0)  # clamped rows load real words; their sums are never stored
+    m_ok = (offs_m < M)[:, None]
+    DTYPE: tl.constexpr = tl.float32 if DOT_FP32 else x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    step0 = tl.program_id(1) * STEPS
+    for step in range(step0, tl.minimum(step0 + STEPS, K // BLOCK_K)):
+        k0 = tl.multiple_of(step * BLOCK_K, BLOCK_K)
+        w = _weight_tile(w_ptr, meta_ptr, s_ptr, magic, rows, k0, stride_wn, stride_wk, stride_mn, stride_mk,
+                         stride_sn, stride_sg, GROUP, QUANT, SPARSE, BLOCK_N, BLOCK_K, DEQUANT_FP32, DTYPE)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=m_ok, other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    ptrs = o_ptr + tl.program_id(1) * stride_os + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(ptrs, acc.to(o_ptr.dtype.element_ty), mask=m_ok & (offs_n[None, :] < N))
+
+
+@triton.jit
+def split_sum_kernel(p_ptr, y_ptr, SPLIT, MN, BLOCK: tl.constexpr):
+    """y = the sum over splits of partials [SPLIT, M * N], in split order (the same result every run)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT):
+        acc += tl.load(p_ptr + s * MN + offs, mask=ok, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+SUM_BLOCK = 1024
+KMAX = {"bf16": 64, "w4": 64, "24w4": 64, "24": 64}
+KMIN = {"bf16": 16, "w4": 8, "24w4": 32, "24": 32}  # a dot's K; one packed word; one metadata word
+
+
+def block_k(fmt: str, group: int) -> int:
+    """The K block: the largest power of two <= KMAX that divides `group` (one scale per block; without
+    scales pass K: no tail); 0 if none reaches KMIN."""
+    bk = KMAX[fmt]
+    while bk >= KMIN[fmt] and group % bk:
+        bk //= 2
+    return bk if bk >= KMIN[fmt] else 0
+
+
+@functools.lru_cache(maxsize=1024)
+def split(m: int, n: int, k: int, bm: int, bn: int, bk: int) -> tuple[int, int]:
+    """(splits, K blocks per split): enough splits that the grid gives every SM two programs, none empty, and
+    no more than k / (64 m): the fp32 partial sums (8 m n bytes a split, written and read) stay under about
+    a quarter of what a W4 weight streams (n k / 2 bytes)."""
+    steps = k // bk
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    want = min(triton.cdiv(MIN_PROGRAMS, tiles), max(1, k // (64 * m)))
+    per = max(1, steps // want)
+    return triton.cdiv(steps, per), per
+
+
+def smem_bytes(fmt: str, bm: int, bn: int, bk: int, stages: int, x_bytes: int = 2) -> int:
+    """Shared memory the pipeliner asks for, estimated: `stages` copies of the activation and stored-weight
+    tiles plus one rebuilt bf16 weight tile (wgmma reads B from shared memory). kernels.inspect compares
+    it with the compiler's number."""
+    stored = {"bf16": bk * 2, "w4": bk // 2, "24": bk + bk // 8, "24w4": bk // 4 + bk // 8}[fmt] * bn
+    return stages * (bm * bk * x_bytes + stored) + bn * bk * 2
+
+
+def sum_splits(partials, y) -> None:
+    """y = partials [SPLIT, M, N] summed over splits (fp32, fixed order)."""
+    mn = y.numel()
+    split_sum_kernel[(triton.cdiv(mn, SUM_BLOCK),)](partials, y, partials.shape[0], mn, BLOCK=SUM_BLOCK)
+
+
+def tile_call(x, w, meta, scale, y, group: int, fmt: str, block: tuple[int, int], split_k: bool,
+              dot_fp32: bool) -> tuple:
+    """(grid, args, constexpr options, partials or None) of one tile launch for checked inputs; `fmt` is bf16,
+    w4, 24 or 24w4, `block` (BLOCK_M, BLOCK_N); split_k: split K to fill the GPU (decode-sized M).
+    kernels.inspect compiles exactly this."""
+    (m, k), n = x.shape, y.shape[1]
+    quant, sparse = fmt in ("w4", "24w4"), fmt in ("24", "24w4")
+    bm, bn = block
+    bk = block_k(fmt, group if quant else k)
+    splits, steps = split(m, n, k, bm, bn, bk) if split_k else (1, k // bk)
+    out = y if splits == 1 else y.new_empty((splits, m, n), dtype=torch.float32)
+    o_strides = (0, y.stride(0), y.stride(1)) if splits == 1 else out.stride()
+    meta_t = meta if sparse else w  # unused pointers where the format has no such tensor
+    s = scale if quant else w
+    args = (x, w, meta_t, s, out, BF16_128X2, m, n, k, steps, *x.stride(), *w.stride(),
+            *(meta_t.stride() if sparse else (0, 0)), *(s.stride() if quant else (0, 0)), *o_strides,
+            min(triton.next_power_of_2(m), 4096))  # the M bucket: a prompt length does not retune
+    opts = {"GROUP": group if quant else 1, "QUANT": quant, "SPARSE": sparse, "DOT_FP32": dot_fp32,
+            "DEQUANT_FP32": dot_fp32 or x.dtype != torch.bfloat16, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
+    grid = (triton.cdiv(n, bn), splits, triton.cdiv(m, bm))
+    return grid, args, opts, None if splits == 1 else out
