@@ -4,7 +4,8 @@ decompressed model's.
     python -m kernels.check RELEASE_OR_ARTIFACT [--layers N] [--tokens 64] [--dtype float32] [--out check.json]
 
 The reference is the dense model with each Linear's decompressed weight (codes * scales: what QAT trained
-and transformers loads), in fp32 on the same device; the kernel model runs in --dtype. `--layers N` runs
+and transformers loads), in fp32 on the same device (ieee, no tf32 on a GPU); the kernel model runs in
+--dtype, its fp32 dots in ieee fp32 too. `--layers N` runs
 the first N blocks only (the final norm and head after them): the Triton interpreter on a CPU is slow,
 and a few layers exercise every kernel path. Exit 1 when the logits disagree beyond the dtype's tolerance.
 """
@@ -31,6 +32,9 @@ TOLERANCE = {"float32": (1e-6, 1.0), "float16": (1e-3, 0.98), "bfloat16": (5e-3,
 
 def compare(rel: str | Path, layers: int | None, tokens: int, dtype: str, device: str) -> dict:
     rel = Path(rel)
+    # fp32 means ieee fp32 on both sides: the kernels' fp32 dots are ieee, and a tf32 reference would differ
+    # from them by more than the fp32 tolerance
+    torch.set_float32_matmul_precision("highest")
     ids = bucket_prompts(load_tokenizer(rel), "en", 1, tokens)[0].to(device)
     if is_release(rel):
         kern = kernel_model(rel, layers, DTYPES[dtype]).to(device)
@@ -57,7 +61,7 @@ def compare(rel: str | Path, layers: int | None, tokens: int, dtype: str, device
            "max_abs_logit_diff": (got - want).abs().max().item(), "max_abs_logit": want.abs().max().item(),
            "kl_mean": kl.mean().item(), "kl_max": kl.max().item(),
            "top1_agree": (got.argmax(-1) == want.argmax(-1)).float().mean().item(),
-           "kernel_forward_s": round(t_kernel, 3), "tolerance": {"kl_mean": max_kl, "top1_agree": min_top1}}
+           "kernel_forward_s": round(t_kernel, 3), "float32_matmul": torch.get_float32_matmul_precision(), "tolerance": {"kl_mean": max_kl, "top1_agree": min_top1}}
     res["passed"] = res["kl_mean"] <= max_kl and res["top1_agree"] >= min_top1
     return res
 

@@ -32,6 +32,7 @@ from core.packing import INT4_PER_WORD, META_INPUTS
 from kernels import decode, tile
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")  # where the kernels' inputs must live
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FORMAT = {(False, False): "bf16", (True, False): "w4", (False, True): "24", (True, True): "24w4"}  # (quant, sparse)
 

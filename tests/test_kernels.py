@@ -13,7 +13,7 @@ from core.packing import pack_24, pack_int4, unpack_24, unpack_24_positions, unp
 from core.patterns import NMPattern
 from core.release_layout import ReleaseLinear, read_release_linears
 from kernels.linear import KernelLinear
-from kernels.matmul import sparse24_matmul, sparse24_w4a16_matmul, w4a16_matmul
+from kernels.matmul import DEVICE, sparse24_matmul, sparse24_w4a16_matmul, w4a16_matmul
 from qat.quantizers import QuantSpec
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # relative to max |y|
@@ -30,9 +30,23 @@ def _keep24(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     return NMPattern(2, 4).keep_top(torch.rand(n, k, generator=gen))
 
 
+def _on(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors on the kernels' device: the GPU where there is one (the compiled kernels), else the CPU
+    (Triton's interpreter). The references stay on the CPU."""
+    return tuple(t.to(DEVICE) for t in tensors)
+
+
+def _logits(model: torch.nn.Module, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
+    """A model's logits computed on the kernels' device, returned on the CPU."""
+    model = model.to(DEVICE)
+    model.init_rope(DEVICE)
+    with torch.no_grad():
+        return model(tokens.to(DEVICE)).float().cpu()
+
+
 def _close(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
-    assert y.dtype == dtype and y.shape == ref.shape
-    err = (y.float() - ref).abs().max().item() / ref.abs().max().item()
+    assert y.dtype == dtype and y.shape == ref.shape and y.device.type == DEVICE.type
+    err = (y.float().cpu() - ref).abs().max().item() / ref.abs().max().item()
     assert err <= TOL[dtype], err
 
 
@@ -91,17 +105,17 @@ def test_kernels_match_the_dequantized_reference(dtype, m, n, k, g):
     x = torch.randn(m, k, generator=gen).to(dtype)
     xf = x.float()
     q, scale, w = _w4(n, k, g, gen)
-    _close(w4a16_matmul(x, pack_int4(q), scale, g), xf @ w.T, dtype)
+    _close(w4a16_matmul(*_on(x, pack_int4(q), scale), g), xf @ w.T, dtype)
 
     keep = _keep24(n, k, gen)
     dense = torch.randn(n, k, generator=gen).to(dtype) * keep
     values, meta = pack_24(dense, keep)
-    _close(sparse24_matmul(x, values, meta), xf @ dense.float().T, dtype)
+    _close(sparse24_matmul(*_on(x, values, meta)), xf @ dense.float().T, dtype)
 
     q24 = q * keep
     kept, meta = pack_24(q24, keep)
     w24 = q24.float() * scale.repeat_interleave(g, dim=1)
-    _close(sparse24_w4a16_matmul(x, pack_int4(kept), meta, scale, g), xf @ w24.T, dtype)
+    _close(sparse24_w4a16_matmul(*_on(x, pack_int4(kept), meta, scale), g), xf @ w24.T, dtype)
 
 
 def test_kernels_refuse_bad_input_before_launch():
@@ -135,12 +149,12 @@ def test_kernel_linear_runs_dense_rows_on_the_dense_path():
     keep[dense_rows] = True  # protected rows keep everything
     q = q * keep
     lin = ReleaseLinear("m", (n, k), g, scale, packed=pack_int4(q), keep=keep, dense_rows=dense_rows)
-    mod = KernelLinear.from_release(lin)
+    mod = KernelLinear.from_release(lin).to(DEVICE)
     assert mod.kind == "2:4+w4" and "dense rows" in repr(mod)
     x = torch.randn(3, 5, k, generator=gen)
-    _close(mod(x), x @ lin.weight().T, torch.float32)
+    _close(mod(*_on(x)), x @ lin.weight().T, torch.float32)
     w = torch.randn(n, k, generator=gen) * keep  # the unquantized 2:4 module: dense rows in plain torch
-    _close(KernelLinear.from_pruned(w, keep, dense_rows)(x), x @ w.T, torch.float32)
+    _close(KernelLinear.from_pruned(w, keep, dense_rows).to(DEVICE)(*_on(x)), x @ w.T, torch.float32)
     keep[0, :3] = True  # a row outside the declared dense rows that breaks 2:4
     with pytest.raises(SmeltError, match="keeps more than 2"):
         KernelLinear.from_release(ReleaseLinear("m", (n, k), g, scale, packed=pack_int4(q), keep=keep,
@@ -164,8 +178,8 @@ def test_release_runs_through_the_kernels_like_the_fake_quantized_model(release)
     kinds = {m.kind for m in model.modules() if isinstance(m, KernelLinear)}
     assert kinds == {"2:4+w4"}  # every Linear of the tiny release is 2:4 + W4
     assert not any(isinstance(m, torch.nn.Linear) and m is not model.output for m in model.modules())
+    got = _logits(model)
     with torch.no_grad():
-        got = model(TOKENS)
         dense = dense_reference(rel)(TOKENS)
     assert (got - ref).abs().max().item() <= 1e-4
     assert (got - dense).abs().max().item() <= 1e-4
@@ -191,8 +205,7 @@ def test_compressed_storage_is_smaller_verifies_runs_and_expands_to_the_same_wei
     report = verify_release(comp)
     assert not report.failures, report.lines
     assert any("--expand converts" in line for line in report.lines)
-    with torch.no_grad():
-        assert (kernel_model(comp)(TOKENS) - ref).abs().max().item() <= 1e-4
+    assert (_logits(kernel_model(comp)) - ref).abs().max().item() <= 1e-4
     mask_lin, comp_lin = read_release_linears(rel), read_release_linears(comp)
     for name, lin in mask_lin.items():
         assert torch.equal(comp_lin[name].codes(), lin.codes()), name

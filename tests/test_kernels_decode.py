@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kernels import _close, _keep24, _w4
+from test_kernels import _close, _keep24, _on, _w4
 
 from core.errors import SmeltError
 from core.packing import pack_24, pack_int4
@@ -32,7 +32,7 @@ def test_w4_decode_matches_the_reference(m, n, k, g, dtype):
     gen = torch.Generator().manual_seed(m + n + k)
     x = torch.randn(m, k, generator=gen).to(dtype)
     q, scale, w = _w4(n, k, g, gen)
-    _close(w4a16_matmul(x, pack_int4(q), scale, g), x.float() @ w.T, dtype)
+    _close(w4a16_matmul(*_on(x, pack_int4(q), scale), g), x.float() @ w.T, dtype)
 
 
 @pytest.mark.parametrize("m,n,k,g", SHAPES)
@@ -47,7 +47,7 @@ def test_24w4_decode_matches_the_reference_on_random_masks(m, n, k, g, dtype):
     kept, meta = pack_24(q24, keep)
     scale = scale.to(torch.bfloat16)  # as the release ships them
     w24 = q24.float() * scale.float().repeat_interleave(g, dim=1)
-    _close(sparse24_w4a16_matmul(x, pack_int4(kept), meta, scale, g), x.float() @ w24.T, dtype)
+    _close(sparse24_w4a16_matmul(*_on(x, pack_int4(kept), meta, scale), g), x.float() @ w24.T, dtype)
 
 
 @pytest.mark.parametrize("m", [1, 16])
@@ -58,7 +58,7 @@ def test_24_decode_matches_the_reference(m):
     keep = _keep24(n, k, gen)
     dense = torch.randn(n, k, generator=gen) * keep
     values, meta = pack_24(dense, keep)
-    _close(sparse24_matmul(x, values, meta), x @ dense.T, torch.float32)
+    _close(sparse24_matmul(*_on(x, values, meta)), x @ dense.T, torch.float32)
 
 
 def test_decode_refuses_bad_input_like_the_tile_kernel():
@@ -71,3 +71,36 @@ def test_decode_refuses_bad_input_like_the_tile_kernel():
     s16 = torch.rand(16, 8) + 0.05
     with pytest.raises(SmeltError, match="group_size 16: 24w4 kernels need a multiple of 32"):
         sparse24_w4a16_matmul(torch.randn(2, 128), pack_int4(kept), meta, s16, 16)
+
+
+DISPATCH = """
+import os, sys, torch
+torch.cuda.is_available = lambda: {gpu}  # the device choice, mocked
+import kernels.matmul as m
+from core.errors import SmeltError
+print(m.INTERPRET, m.DEVICE.type, os.environ.get("TRITON_INTERPRET"))
+try:
+    m.w4a16_matmul(torch.randn(2, 64), torch.zeros(8, 8, dtype=torch.int32), torch.ones(8, 1), 64)
+except SmeltError as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_a_gpu_host_runs_the_compiled_kernels_on_its_tensors(gpu):
+    """With a CUDA device the interpreter stays off and the kernels take GPU tensors only (the tests above put
+    theirs on kernels.matmul.DEVICE); without one the interpreter runs on CPU tensors."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", DISPATCH.format(gpu=gpu)], capture_output=True, text=True, env=env,
+                         cwd=ROOT, timeout=120, check=True).stdout.splitlines()
+    if gpu:
+        assert out[0] == "False cuda None"
+        assert out[1] == "refused: the Triton kernels need a CUDA device or TRITON_INTERPRET=1"
+    else:
+        assert out == ["True cpu 1"]  # the CPU call ran in the interpreter
