@@ -17,8 +17,6 @@ is at 0-2, slot 1 at 1-3: two selects each), so no dense tile is rebuilt.
 
 Split-K writes fp32 partial sums [SPLIT, 1, N] that kernels.tile's split_sum_kernel adds in a fixed order;
 with one split the program writes y directly.
-
-Import through kernels.matmul, which decides whether Triton runs interpreted (no CUDA device).
 """
 from __future__ import annotations
 

@@ -13,18 +13,14 @@ Which kernel runs depends on M (tokens in the call):
 - larger M: kernels.tile, autotuned among LARGE_CONFIGS once per (M bucket, N, K, format), the configs whose
   shared memory would not fit pruned before any launch.
 
-On a machine without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here when
-no CUDA device exists) with dots in fp32: the interpreter's low-precision `tl.dot` is not trustworthy.
+On a machine without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by the kernels
+package when no CUDA device exists) with dots in fp32: the interpreter's low-precision `tl.dot` is not trustworthy.
 """
 from __future__ import annotations
 
 import os
 
 import torch
-
-if not torch.cuda.is_available():  # before triton decorates anything: the interpreter is the CPU path
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import triton
 
 from core.errors import SmeltError

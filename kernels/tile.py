@@ -15,8 +15,6 @@ the same bf16 value the fp32 path rounds to. The interpreter's bf16 arithmetic i
 2:4: the group's two kept values (slot 0, slot 1) are placed at their positions from the metadata's two
 2-bit fields; the dense tile then goes through the same dot. Triton has no sparse tensor-core instruction:
 2:4 saves bytes, not multiply-adds.
-
-Import through kernels.matmul, which decides whether Triton runs interpreted (no CUDA device).
 """
 from __future__ import annotations
 
