@@ -74,7 +74,8 @@ def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
     if st.kind == "heads":
         return [[PY, "-m", "prune.heads", "--teacher", t, *_opt("--top-k", st.top_k),
                  *_opt("--calib-windows", st.calib_windows), *_opt("--needle-lengths", st.needle_lengths),
-                 "--out", st.dst, "--png", st.dst.removesuffix(".json") + ".png"]]
+                 *_opt("--needle-samples", st.needle_samples), "--out", st.dst,
+                 "--png", st.dst.removesuffix(".json") + ".png"]]
     if st.kind == "prune":
         return [[PY, "-m", "prune.run", "--teacher", t, "--method", st.method, *_opt("--pattern", st.pattern),
                  *_opt("--protect", st.protect), *_opt("--skip", ",".join(st.skip) if st.skip else None),

@@ -47,7 +47,7 @@ from core.calibrate import (
     CalibConfig,
     check_reconstruct,
 )
-from core.data import EvalConfig, SelfTextConfig
+from core.data import EvalConfig, SelfTextConfig, split_corpora
 from core.device import bf16_is_fast
 from core.errors import SmeltError
 from core.patterns import NMPattern
@@ -389,9 +389,13 @@ def check(recipe: Recipe, registry: dict) -> None:
             raise SmeltError(f"{where}: set exactly one of pattern (N:M) and sparsity")
         if isinstance(st, PruneStage) and st.pattern is not None:
             NMPattern.parse(st.pattern, f"{where}.pattern")
-        if isinstance(st, (PruneStage, PtqStage, ReconstructStage)) and st.calib_windows is not None \
-                and st.calib_windows < 1:
-            raise SmeltError(f"{where}.calib_windows={st.calib_windows} must be >= 1")
+        if isinstance(st, HeadsStage) and st.needle_samples is not None and st.needle_samples < 1:
+            raise SmeltError(f"{where}.needle_samples={st.needle_samples} must be >= 1")
+        if isinstance(st, (PruneStage, PtqStage, ReconstructStage)) and st.calib_windows is not None:
+            corpora = len(split_corpora(recipe.data.calibration)) if recipe.data.calibration else 1
+            if st.calib_windows < corpora:  # each corpus of the mix gets at least one window
+                raise SmeltError(f"{where}.calib_windows={st.calib_windows} is fewer than the {corpora} corpora "
+                                 f"of data.calibration {recipe.data.calibration!r}: each needs a window")
         if isinstance(st, ReconstructStage) and ((st.lr is not None and not st.lr > 0)
                                                  or (st.epochs is not None and st.epochs < 1)):
             raise SmeltError(f"{where}: lr > 0 and epochs >= 1 are required (got {st.lr}, {st.epochs})")

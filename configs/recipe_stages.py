@@ -58,6 +58,7 @@ class HeadsStage(Stage):            # prune.heads on the teacher: run_dir/<out>.
     top_k: int | None = None        # protected heads per score; None: prune.heads' default
     calib_windows: int | None = None
     needle_lengths: str | None = None  # the retrieval probe's prompt lengths, e.g. "512,1024"
+    needle_samples: int | None = None  # the probe's prompts per (length, depth); None: prune.heads' default
 
 
 @dataclass

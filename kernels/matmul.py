@@ -37,9 +37,10 @@ SMALL_M = tile.SMALL_M
 SMALL_BLOCK = (64, 256)  # (BLOCK_M, BLOCK_N) for 2 <= M <= SMALL_M: one wgmma row block, 128 weights a thread
 SMALL_OPTIONS = {"num_warps": 4, "num_stages": 3}
 # (BLOCK_M, BLOCK_N, warps, stages) for M > SMALL_M; BLOCK_K follows the format and group (kernels.tile)
-LARGE_CONFIGS = [(64, 256, 4, 3), (64, 256, 4, 4)]  # wider or taller tiles: fewer weights a thread, more instructions each
+# wider or taller tiles give each thread fewer weights and more instructions per weight (kernels.inspect)
+LARGE_CONFIGS = [(64, 256, 4, 3), (64, 256, 4, 4)]
 SMEM_LIMIT = 227 * 1024  # H100: the most shared memory one block may ask for
-INTERPRET_BLOCK = (16, 32)
+INTERPRET_BLOCK = (64, 128)  # the interpreter's cost is per program: big tiles, few programs
 
 
 def _fits(configs, named_args, **kwargs):
@@ -57,45 +58,47 @@ _large = triton.autotune(
 )(tile.tile_kernel)
 
 
-def _check(cond: bool, msg: str) -> None:
+def _check(cond: bool, msg) -> None:
+    """Raise msg() when cond fails: the message is built only then, not on every call."""
     if not cond:
-        raise SmeltError(msg)
+        raise SmeltError(msg())
 
 
 def check_inputs(x: torch.Tensor, w: torch.Tensor, meta: torch.Tensor | None, scale: torch.Tensor | None,
                  out_features: int, group_size: int, quant: bool, sparse: bool) -> None:
-    """Every shape, dtype and device of one matmul's inputs, one SmeltError line before any launch."""
-    _check(x.ndim == 2 and x.dtype in ACT_DTYPES, f"x must be 2-D float16/bfloat16/float32, got {x.dtype} "
+    """Every shape, dtype and device of one matmul's inputs, one SmeltError line before any launch (messages are
+    lambdas: a passing call builds no strings)."""
+    _check(x.ndim == 2 and x.dtype in ACT_DTYPES, lambda: f"x must be 2-D float16/bfloat16/float32, got {x.dtype} "
            f"{list(x.shape)}")
     K = x.shape[1]
     devices = {t.device for t in (x, w, meta, scale) if t is not None}
-    _check(len(devices) == 1, f"kernel inputs on several devices: {sorted(map(str, devices))}")
-    _check(x.is_cuda or INTERPRET, "the Triton kernels need a CUDA device or TRITON_INTERPRET=1")
+    _check(len(devices) == 1, lambda: f"kernel inputs on several devices: {sorted(map(str, devices))}")
+    _check(x.is_cuda or INTERPRET, lambda: "the Triton kernels need a CUDA device or TRITON_INTERPRET=1")
     if not x.is_cuda:  # the interpreter runs on host memory only
-        _check(x.device.type == "cpu", f"interpreter inputs must be on the CPU, got {x.device}")
+        _check(x.device.type == "cpu", lambda: f"interpreter inputs must be on the CPU, got {x.device}")
     stored = K // 2 if sparse else K  # inputs of a row actually stored
     if quant:
         _check(w.dtype == torch.int32 and tuple(w.shape) == (out_features, stored // INT4_PER_WORD),
-               f"packed weight must be int32 [{out_features}, {stored // INT4_PER_WORD}] for x {list(x.shape)}, "
-               f"got {w.dtype} {list(w.shape)}")
-        _check(group_size > 0 and K % group_size == 0, f"group_size {group_size} must divide in_features {K}")
+               lambda: f"packed weight must be int32 [{out_features}, {stored // INT4_PER_WORD}] for x "
+               f"{list(x.shape)}, got {w.dtype} {list(w.shape)}")
+        _check(group_size > 0 and K % group_size == 0, lambda: f"group_size {group_size} must divide in_features {K}")
         _check(scale is not None and scale.is_floating_point()
                and tuple(scale.shape) == (out_features, K // group_size),
-               f"scale must be float [{out_features}, {K // group_size}] (group_size {group_size}), got "
+               lambda: f"scale must be float [{out_features}, {K // group_size}] (group_size {group_size}), got "
                f"{None if scale is None else (scale.dtype, list(scale.shape))}")
-        _check(stored % INT4_PER_WORD == 0, f"in_features {K} does not fill whole int4 words")
+        _check(stored % INT4_PER_WORD == 0, lambda: f"in_features {K} does not fill whole int4 words")
     else:
         _check(w.is_floating_point() and tuple(w.shape) == (out_features, stored),
-               f"weight values must be float [{out_features}, {stored}], got {w.dtype} {list(w.shape)}")
+               lambda: f"weight values must be float [{out_features}, {stored}], got {w.dtype} {list(w.shape)}")
     if sparse:
-        _check(K % META_INPUTS == 0, f"2:4 needs in_features a multiple of {META_INPUTS}, got {K}")
+        _check(K % META_INPUTS == 0, lambda: f"2:4 needs in_features a multiple of {META_INPUTS}, got {K}")
         _check(meta is not None and meta.dtype == torch.int32
                and tuple(meta.shape) == (out_features, K // META_INPUTS),
-               f"2:4 meta must be int32 [{out_features}, {K // META_INPUTS}], got "
+               lambda: f"2:4 meta must be int32 [{out_features}, {K // META_INPUTS}], got "
                f"{None if meta is None else (meta.dtype, list(meta.shape))}")
     fmt = FORMAT[quant, sparse]
     _check(tile.block_k(fmt, group_size if quant else K) > 0,
-           f"group_size {group_size}: {fmt} kernels need a multiple of {tile.KMIN[fmt]}" if quant else
+           lambda: f"group_size {group_size}: {fmt} kernels need a multiple of {tile.KMIN[fmt]}" if quant else
            f"in_features {K}: {fmt} kernels need a multiple of {tile.KMIN[fmt]}")
 
 

@@ -174,7 +174,8 @@ def model_rows(variants: dict[str, dict[str, Variant]], group: int = 64, gpu: GP
                     else:
                         row.update(variant=e["variant"], time_us=e["time_s"] * 1e6, limiter=e["limiter"],
                                    bounds_us={b: t * 1e6 for b, t in e["bounds_s"].items()}, bytes=e["bytes"],
-                                   programs=e["programs"], splits=e["splits"], blocks_per_sm=e["blocks_per_sm"], waves=e["waves"],
+                                   programs=e["programs"], splits=e["splits"], blocks_per_sm=e["blocks_per_sm"],
+                                   waves=e["waves"],
                                    speedup_vs_bf16=ref["time_s"] / e["time_s"])
                     rows.append(row)
     return rows

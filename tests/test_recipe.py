@@ -238,6 +238,8 @@ def test_list_stages(capsys):
 
 BAD = [
     (["--set", "stages.recover.stepz=2"], "stages[4].stepz"),
+    (["--set", "stages.prune.calib_windows=2"], "stages[2].calib_windows=2 is fewer than the 3 corpora"),
+    (["--set", "stages.heads.needle_samples=0"], "stages[1].needle_samples=0 must be >= 1"),
     (["--set", "parallelism.nproc=2", "--set", "stages.recover.global_batch=3"],
      "not divisible by local_batch 1 x data-parallel degree 2"),
     (["--set", "stages.recover.input=/no/such/artifact"], "neither an earlier stage nor an existing"),
