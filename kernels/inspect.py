@@ -57,7 +57,7 @@ from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_write_text, read_json
 from kernels import roofline
 from kernels.decode import decode_call
-from kernels.matmul import LARGE_CONFIGS, SMALL_BLOCK, SMALL_OPTIONS
+from kernels.matmul import ALL, LARGE_CONFIGS, SMALL_BLOCK, SMALL_OPTIONS
 from kernels.sass import loop_stats, main_loop, parse_sass, ptx_streams
 from kernels.tile import smem_bytes, tile_call, tile_kernel
 
@@ -72,8 +72,8 @@ GROUP = 64
 SHAPE = {"N": 14336, "K": 4096}  # Llama-3.1-8B's gate projection
 # the tile kernel's configurations as kernels.matmul launches them: (name, M compiled at, (BLOCK_M, BLOCK_N),
 # warps, stages, split-K); the decode formats have one, at M = 1
-TILE_CONFIGS = [("small", 16, SMALL_BLOCK, SMALL_OPTIONS["num_warps"], SMALL_OPTIONS["num_stages"], True)] + [
-    (f"large {i}", 2048, (bm, bn), w, st, False) for i, (bm, bn, w, st) in enumerate(LARGE_CONFIGS)]
+TILE_CONFIGS = [("small", 16, SMALL_BLOCK, SMALL_OPTIONS["num_warps"], SMALL_OPTIONS["num_stages"], True, ALL)] + [
+    (f"large {i}", 2048, (bm, bn), w, st, False, fmts) for i, (bm, bn, w, st, fmts) in enumerate(LARGE_CONFIGS)]
 DECODE_M = 1
 STREAMS = {"x_ptr": "activations", "w_ptr": "weights", "meta_ptr": "metadata", "s_ptr": "scales",
            "y_ptr": "output", "o_ptr": "output"}  # kernel pointer arguments by name
@@ -93,7 +93,10 @@ def _tensors(fmt: str, shape: dict, group: int) -> tuple:
 
 
 def configs_of(fmt: str) -> list[int]:
-    return [0] if fmt in DECODE_FORMATS else list(range(len(TILE_CONFIGS)))
+    """The variants kernels.matmul may launch for a format: the M = 1 kernel's one, or its tile configs."""
+    if fmt in DECODE_FORMATS:
+        return [0]
+    return [i for i, c in enumerate(TILE_CONFIGS) if fmt in c[6]]
 
 
 def variant_launch(fmt: str, config: int, shape: dict = SHAPE, group: int = GROUP) -> tuple:
@@ -104,7 +107,7 @@ def variant_launch(fmt: str, config: int, shape: dict = SHAPE, group: int = GROU
         x, w, meta, scale, y = _tensors(fmt, shape, group)
         kernel, grid, args, opts, _ = decode_call(x, w, meta, scale, y, group, DECODE_FORMATS[fmt])
         return kernel, args, {"num_stages": 3, **opts}, shape, grid[1]
-    _, m, block, warps, stages, split_k = TILE_CONFIGS[config]
+    _, m, block, warps, stages, split_k, _ = TILE_CONFIGS[config]
     shape = {**shape, "M": m}
     x, w, meta, scale, y = _tensors(fmt, shape, group)
     grid, args, opts, _ = tile_call(x, w, meta, scale, y, group, fmt, block, split_k, dot_fp32=False)
@@ -217,7 +220,7 @@ def inspect_all(formats: list[str], configs: list[int], archs: list[int], jobs: 
     without TRITON_INTERPRET, which kernels.matmul sets where there is no CUDA: interpreted kernels cannot
     be compiled."""
     work = [(f, c, a) for a in archs for f in formats
-            for c in (configs_of(f) if f in DECODE_FORMATS else configs)]
+            for c in (configs_of(f) if f in DECODE_FORMATS else [c for c in configs if c in configs_of(f)])]
     todo: queue.SimpleQueue = queue.SimpleQueue()
     for i in range(len(work)):
         todo.put(i)

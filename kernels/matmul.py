@@ -37,24 +37,33 @@ SMALL_M = tile.SMALL_M
 SMALL_BLOCK = (64, 256)  # (BLOCK_M, BLOCK_N) for 2 <= M <= SMALL_M: one wgmma row block, 128 weights a thread
 SMALL_OPTIONS = {"num_warps": 4, "num_stages": 3}
 # (BLOCK_M, BLOCK_N, warps, stages) for M > SMALL_M; BLOCK_K follows the format and group (kernels.tile)
-# wider or taller tiles give each thread fewer weights and more instructions per weight (kernels.inspect)
-LARGE_CONFIGS = [(64, 256, 4, 3), (64, 256, 4, 4)]
+# (BLOCK_M, BLOCK_N, warps, stages, formats) for M > SMALL_M, each within 100 KB of shared memory. The 2:4
+# formats get a 128-row tile: their longer rebuild needs twice the multiply-adds per rebuilt weight to stay
+# tensor-bound (a taller tile gives each thread fewer weights and more instructions per weight: kernels.inspect)
+ALL = ("bf16", "w4", "24", "24w4")
+LARGE_CONFIGS = [(64, 256, 4, 3, ALL), (64, 256, 4, 4, ("w4", "24w4")), (128, 256, 8, 3, ("24w4",)),
+                 (128, 256, 8, 2, ("24",))]
 SMEM_LIMIT = 227 * 1024  # H100: the most shared memory one block may ask for
 INTERPRET_BLOCK = (64, 128)  # the interpreter's cost is per program: big tiles, few programs
 
 
+_LARGE = [(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st), fmts)
+          for bm, bn, w, st, fmts in LARGE_CONFIGS]
+
+
 def _fits(configs, named_args, **kwargs):
-    """early_config_prune: the configs whose estimated shared memory fits one block."""
-    fmt = {(False, False): "bf16", (True, False): "w4", (False, True): "24", (True, True): "24w4"}[
-        (bool(kwargs["QUANT"]), bool(kwargs["SPARSE"]))]
-    kept = [c for c in configs if tile.smem_bytes(fmt, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], kwargs["BLOCK_K"],
-                                                  c.num_stages, named_args["x_ptr"].element_size()) <= SMEM_LIMIT]
-    return kept or configs[-1:]
+    """early_config_prune: this format's configs whose estimated shared memory fits one block."""
+    fmt = FORMAT[bool(kwargs["QUANT"]), bool(kwargs["SPARSE"])]
+    allowed = {id(c) for c, fmts in _LARGE if fmt in fmts}
+    kept = [c for c in configs if id(c) in allowed and tile.smem_bytes(
+        fmt, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], kwargs["BLOCK_K"], c.num_stages,
+        named_args["x_ptr"].element_size()) <= SMEM_LIMIT]
+    return kept or [c for c, _ in _LARGE[:1]]
 
 
 _large = triton.autotune(
-    [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in LARGE_CONFIGS],
-    key=["M_BUCKET", "N", "K", "QUANT", "SPARSE", "GROUP"], prune_configs_by={"early_config_prune": _fits},
+    [c for c, _ in _LARGE], key=["M_BUCKET", "N", "K", "QUANT", "SPARSE", "GROUP"],
+    prune_configs_by={"early_config_prune": _fits},
 )(tile.tile_kernel)
 
 

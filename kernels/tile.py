@@ -12,9 +12,10 @@ every integer up to 256), so one bf16x2 add and one bf16x2 multiply by the scale
 the same bf16 value the fp32 path rounds to. The interpreter's bf16 arithmetic is not trustworthy, so there
 (and for fp32 activations) the subtract and multiply run in fp32.
 
-2:4: the group's two kept values (slot 0, slot 1) are placed at their positions from the metadata's two
-2-bit fields; the dense tile then goes through the same dot. Triton has no sparse tensor-core instruction:
-2:4 saves bytes, not multiply-adds.
+2:4 + W4: each group's two kept codes go to their positions (the metadata's two 2-bit fields) by shifting
+them into the 16-bit lanes of one 64-bit word, no selects; the dense codes then take W4's path. 2:4 on 16-bit
+values is placed the same way (a group's kept pair is one 32-bit word); fp32 values by selects. Triton has no
+sparse tensor-core instruction: 2:4 saves bytes, not multiply-adds.
 """
 from __future__ import annotations
 
@@ -46,16 +47,6 @@ def _w4_codes(w, magic, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _kept_pairs(w, magic, A: tl.constexpr, BLOCK_N: tl.constexpr):
-    """2:4 + W4 words [BLOCK_N, A] (4 groups of 2 kept codes each) -> slot 0, slot 1 [BLOCK_N, A, 4] as bf16
-    128 + code: group j's two codes are nibbles 2 j and 2 j + 1."""
-    w = w.to(tl.uint32, bitcast=True)
-    shifts = (8 * tl.arange(0, 4))[None, None, :]
-    t = ((w[:, :, None] >> shifts) & 0xF) | (((w[:, :, None] >> shifts) << 12) & 0xF0000) | magic
-    return t.to(tl.uint16).to(tl.bfloat16, bitcast=True), (t >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
 def _dequant(v, s, FP32: tl.constexpr, DTYPE: tl.constexpr):
     """(128 + code - 136) x scale: exact subtract, one rounding; s broadcasts over v's trailing dims."""
     if FP32:
@@ -64,9 +55,36 @@ def _dequant(v, s, FP32: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _place(t, nib):
+    """One 2:4 group of 16-bit lanes: t (uint32) holds slot 0 in its low half and slot 1 in its high half, nib
+    their positions (bits 0-1 and 2-3). Returns the dense group as two uint32 (inputs 0-1, inputs 2-3), each
+    slot shifted to its lane of one 64-bit word: no selects; free lanes are 0."""
+    g = ((t & 0xFFFF).to(tl.uint64) << ((nib & 3) * 16).to(tl.uint64)) | \
+        ((t >> 16).to(tl.uint64) << (((nib >> 2) & 3) * 16).to(tl.uint64))
+    return g.to(tl.uint32), (g >> 32).to(tl.uint32)
+
+
+@triton.jit
+def _dense24_codes(w, meta, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """2:4 + W4 words [BLOCK_N, A] (4 groups each; group j = nibbles 2j, 2j+1 = slot 0, slot 1) and each word's
+    16 metadata bits -> the dense [BLOCK_N, BLOCK_K] codes as bf16 bits of 128 + code, a free position holding
+    136 (code 8: weight 0). Placed as code ^ 8, whose free lanes are 0, then turned back with one xor."""
+    w = w.to(tl.uint32, bitcast=True)
+    meta = meta.to(tl.uint32, bitcast=True)
+    l0, h0 = _place(((w & 0xF) | ((w << 12) & 0xF0000)) ^ 0x80008, meta)
+    l1, h1 = _place((((w >> 8) & 0xF) | ((w << 4) & 0xF0000)) ^ 0x80008, meta >> 4)
+    l2, h2 = _place((((w >> 16) & 0xF) | ((w >> 4) & 0xF0000)) ^ 0x80008, meta >> 8)
+    l3, h3 = _place((((w >> 24) & 0xF) | ((w >> 12) & 0xF0000)) ^ 0x80008, meta >> 12)
+    q = tl.join(tl.join(tl.join(l0, h0), tl.join(l2, h2)), tl.join(tl.join(l1, h1), tl.join(l3, h3)))
+    q = q ^ 0x43084308  # [.., half, c, d]: group 2 c + d, inputs 2 half, 2 half + 1
+    v = tl.join(q.to(tl.uint16), (q >> 16).to(tl.uint16))  # [.., half, c, d, e]: input 2 half + e
+    return tl.reshape(tl.permute(v, (0, 1, 3, 4, 2, 5)), (BLOCK_N, BLOCK_K)).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def _place24(v0, v1, meta, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Kept values [BLOCK_N, A, B] and their metadata nibbles -> the dense [BLOCK_N, BLOCK_K] tile. Slot 0 sits
-    at 0-2 (bits 0-1), slot 1 at 1-3 (bits 2-3)."""
+    """2:4 values (any width) [BLOCK_N, A, B] and their metadata nibbles -> the dense [BLOCK_N, BLOCK_K] tile by
+    selects. Slot 0 sits at 0-2 (bits 0-1), slot 1 at 1-3 (bits 2-3)."""
     lo0, hi0, lo1, hi1 = (meta & 1) != 0, (meta & 2) != 0, (meta & 4) != 0, (meta & 8) != 0
     zero = tl.zeros_like(v0)
     d0 = tl.where(lo0 | hi0, zero, v0)
@@ -94,16 +112,23 @@ def _weight_tile(w_ptr, meta_ptr, s_ptr, magic, rows, k0, stride_wn, stride_wk, 
             w = tl.load(w_ptr + rows[:, None] * stride_wn + (k0 // 16 + offs_a)[None, :] * stride_wk)
             meta = tl.load(meta_ptr + rows[:, None] * stride_mn + (k0 // 32 + offs_a // 2)[None, :] * stride_mk)
             meta = meta >> (16 * (offs_a % 2))[None, :]
-            v0, v1 = _kept_pairs(w, magic, A, BLOCK_N)
-            v0 = _dequant(v0, s[:, None, None], FP32, DTYPE)
-            v1 = _dequant(v1, s[:, None, None], FP32, DTYPE)
+            return _dequant(_dense24_codes(w, meta, BLOCK_N, BLOCK_K), s[:, None], FP32, DTYPE)
         else:
             meta = tl.load(meta_ptr + rows[:, None] * stride_mn + (k0 // 32 + offs_a)[None, :] * stride_mk)
-            offs_v = k0 // 2 + offs_a[:, None] * 16 + tl.arange(0, 16)[None, :]
-            v = tl.load(w_ptr + rows[:, None, None] * stride_wn + offs_v[None] * stride_wk).to(DTYPE)
-            v0, v1 = tl.split(tl.reshape(v, (BLOCK_N, A, B, 2)))
-        nib = meta[:, :, None] >> (4 * tl.arange(0, B))[None, None, :]
-        return _place24(v0, v1, nib, BLOCK_N, BLOCK_K)
+            nib = meta[:, :, None] >> (4 * tl.arange(0, B))[None, None, :]
+            if w_ptr.dtype.element_ty.primitive_bitwidth == 16:  # a group's kept pair is one 32-bit word
+                words = w_ptr.to(tl.pointer_type(tl.uint32))
+                offs_g = k0 // 4 + offs_a[:, None] * B + tl.arange(0, B)[None, :]
+                t = tl.load(words + rows[:, None, None] * (stride_wn // 2) + offs_g[None])
+                lo, hi = _place(t, nib.to(tl.uint32, bitcast=True))
+                q = tl.join(lo, hi)  # [.., half]: inputs 0-1, 2-3 of the group
+                v = tl.join(q.to(tl.uint16), (q >> 16).to(tl.uint16))
+                return tl.reshape(v, (BLOCK_N, BLOCK_K)).to(w_ptr.dtype.element_ty, bitcast=True).to(DTYPE)
+            else:  # 32-bit values: placed by selects
+                offs_v = k0 // 2 + offs_a[:, None] * 16 + tl.arange(0, 16)[None, :]
+                v = tl.load(w_ptr + rows[:, None, None] * stride_wn + offs_v[None] * stride_wk).to(DTYPE)
+                v0, v1 = tl.split(tl.reshape(v, (BLOCK_N, A, B, 2)))
+                return _place24(v0, v1, nib, BLOCK_N, BLOCK_K)
     if QUANT:
         w = tl.load(w_ptr + rows[:, None] * stride_wn + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :] * stride_wk)
         return _dequant(_w4_codes(w, magic, BLOCK_N, BLOCK_K), s[:, None], FP32, DTYPE)
@@ -204,6 +229,8 @@ def tile_call(x, w, meta, scale, y, group: int, fmt: str, block: tuple[int, int]
     splits, steps = split(m, n, k, bm, bn, bk) if split_k else (1, k // bk)
     out = y if splits == 1 else y.new_empty((splits, m, n), dtype=torch.float32)
     o_strides = (0, y.stride(0), y.stride(1)) if splits == 1 else out.stride()
+    if sparse and not quant and w.element_size() == 2 and (w.stride(1) != 1 or w.stride(0) % 2 or w.data_ptr() % 4):
+        w = w.clone(memory_format=torch.contiguous_format)  # 16-bit 2:4 values are read as 32-bit pairs
     meta_t = meta if sparse else w  # unused pointers where the format has no such tensor
     s = scale if quant else w
     args = (x, w, meta_t, s, out, BF16_128X2, m, n, k, steps, *x.stride(), *w.stride(),

@@ -95,7 +95,7 @@ def test_occupancy_counts_registers_shared_memory_and_warps():
     assert roofline.blocks_per_sm(roofline.Variant(**{**SMALL.__dict__, "shared_bytes": 0})) == 4
 
 
-@pytest.mark.parametrize("args,text", [(["--configs", "3"], "--configs"), (["--formats", "w8"], "--formats"),
+@pytest.mark.parametrize("args,text", [(["--configs", "9"], "--configs"), (["--formats", "w8"], "--formats"),
                                        (["--arch", "75"], "--arch"), (["--jobs", "0"], "--jobs")])
 def test_bad_arguments_are_one_line_before_compiling(args, text, tmp_path):
     with pytest.raises(SmeltError, match=text):
