@@ -110,8 +110,8 @@ def _weight_tile(w_ptr, meta_ptr, s_ptr, magic, rows, k0, stride_wn, stride_wk, 
         offs_a = tl.arange(0, A)
         if QUANT:
             w = tl.load(w_ptr + rows[:, None] * stride_wn + (k0 // 16 + offs_a)[None, :] * stride_wk)
-            meta = tl.load(meta_ptr + rows[:, None] * stride_mn + (k0 // 32 + offs_a // 2)[None, :] * stride_mk)
-            meta = meta >> (16 * (offs_a % 2))[None, :]
+            meta = tl.load(meta_ptr + rows[:, None] * stride_mn + (k0 // 32 + tl.arange(0, A // 2))[None, :] * stride_mk)
+            meta = tl.reshape(tl.join(meta, meta >> 16), (BLOCK_N, A))  # packed word a: half a % 2 of word a // 2
             return _dequant(_dense24_codes(w, meta, BLOCK_N, BLOCK_K), s[:, None], FP32, DTYPE)
         else:
             meta = tl.load(meta_ptr + rows[:, None] * stride_mn + (k0 // 32 + offs_a)[None, :] * stride_mk)
