@@ -159,17 +159,11 @@ def _sparse24_decode_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, o_ptr, M, N, K, STEPS
 
 # format -> BLOCK_N, num_warps; BLOCK_K is the largest power of two <= KMAX dividing the group.
 DECODE_CONFIGS = {"w4": (512, 4), "24w4": (512, 4), "24": (256, 4)}
-KMAX = {"w4": 64, "24w4": 64, "24": 128}
-KMIN = {"w4": 8, "24w4": 32, "24": 32}  # one packed word; one metadata word
+KMAX = {"w4": 64, "24w4": 64, "24": 128}  # the M = 1 kernels' largest K block (kernels.tile.block_k's KMIN holds)
 
 
 def block_k(fmt: str, group: int) -> int:
-    """The K block: a power of two that divides the group (one scale per block; for 2:4 without scales,
-    pass K: no tail); 0 if none fits."""
-    bk = KMAX[fmt]
-    while bk >= KMIN[fmt] and group % bk:
-        bk //= 2
-    return bk if bk >= KMIN[fmt] else 0
+    return tile.block_k(fmt, group, KMAX[fmt])
 
 
 def supports(fmt: str, m: int, group: int) -> bool:

@@ -182,10 +182,10 @@ KMAX = {"bf16": 64, "w4": 64, "24w4": 64, "24": 64}
 KMIN = {"bf16": 16, "w4": 8, "24w4": 32, "24": 32}  # a dot's K; one packed word; one metadata word
 
 
-def block_k(fmt: str, group: int) -> int:
-    """The K block: the largest power of two <= KMAX that divides `group` (one scale per block; without
-    scales pass K: no tail); 0 if none reaches KMIN."""
-    bk = KMAX[fmt]
+def block_k(fmt: str, group: int, kmax: int | None = None) -> int:
+    """The K block: the largest power of two <= kmax (default KMAX) that divides `group` (one scale per block;
+    without scales pass K: no tail); 0 if none reaches KMIN."""
+    bk = kmax or KMAX[fmt]
     while bk >= KMIN[fmt] and group % bk:
         bk //= 2
     return bk if bk >= KMIN[fmt] else 0
