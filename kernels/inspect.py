@@ -57,12 +57,12 @@ from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_write_text, read_json
 from kernels import roofline
 from kernels.decode import decode_call
-from kernels.matmul import ALL, LARGE_CONFIGS, SMALL_BLOCK, SMALL_OPTIONS
+from kernels.matmul import ALL, FORMAT, LARGE_CONFIGS, SMALL_BLOCK, SMALL_OPTIONS
 from kernels.sass import loop_stats, main_loop, parse_sass, ptx_streams
 from kernels.tile import smem_bytes, tile_call, tile_kernel
 
 ARCHS = (80, 90)
-FORMATS = {"bf16": (False, False), "w4": (True, False), "24": (False, True), "24w4": (True, True)}  # QUANT, SPARSE
+FORMATS = {name: flags for flags, name in FORMAT.items()}  # name -> (QUANT, SPARSE), kernels.matmul's map inverted
 # the M = 1 kernels (kernels.decode), compiled with their own plan's tile
 DECODE_FORMATS = {"w4-decode": "w4", "24w4-decode": "24w4", "24-decode": "24"}
 LABELS = {"bf16": "bf16 (Triton)", "w4": "W4A16", "24": "2:4", "24w4": "2:4+W4", "w4-decode": "W4A16 M=1",
