@@ -57,7 +57,7 @@ from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_write_text, read_json
 from kernels import roofline
 from kernels.decode import decode_call
-from kernels.matmul import ALL, FORMAT, LARGE_CONFIGS, SMALL_BLOCK, SMALL_OPTIONS
+from kernels.matmul import ALL, FORMAT, LARGE_CONFIGS, SMALL_OPTIONS, small_block
 from kernels.sass import loop_stats, main_loop, parse_sass, ptx_streams
 from kernels.tile import smem_bytes, tile_call, tile_kernel
 
@@ -71,8 +71,10 @@ ALL_FORMATS = [*FORMATS, *DECODE_FORMATS]
 GROUP = 64
 SHAPE = {"N": 14336, "K": 4096}  # Llama-3.1-8B's gate projection
 # the tile kernel's configurations as kernels.matmul launches them: (name, M compiled at, (BLOCK_M, BLOCK_N),
-# warps, stages, split-K); the decode formats have one, at M = 1
-TILE_CONFIGS = [("small", 16, SMALL_BLOCK, SMALL_OPTIONS["num_warps"], SMALL_OPTIONS["num_stages"], True, ALL)] + [
+# warps, stages, small route: split-K and the swapped dot, formats); the decode formats have one, at M = 1
+_SMALL = (SMALL_OPTIONS["num_warps"], SMALL_OPTIONS["num_stages"], True)
+TILE_CONFIGS = [("small", 16, small_block(16), *_SMALL, ALL),
+                ("small wide", 16, small_block(16, SHAPE["N"], "24w4"), *_SMALL, ("24w4",))] + [
     (f"large {i}", 2048, (bm, bn), w, st, False, fmts) for i, (bm, bn, w, st, fmts) in enumerate(LARGE_CONFIGS)]
 DECODE_M = 1
 STREAMS = {"x_ptr": "activations", "w_ptr": "weights", "meta_ptr": "metadata", "s_ptr": "scales",
@@ -110,7 +112,7 @@ def variant_launch(fmt: str, config: int, shape: dict = SHAPE, group: int = GROU
     _, m, block, warps, stages, split_k, _ = TILE_CONFIGS[config]
     shape = {**shape, "M": m}
     x, w, meta, scale, y = _tensors(fmt, shape, group)
-    grid, args, opts, _ = tile_call(x, w, meta, scale, y, group, fmt, block, split_k, dot_fp32=False)
+    grid, args, opts, _ = tile_call(x, w, meta, scale, y, group, fmt, block, split_k, dot_fp32=False, swap=split_k)
     return tile_kernel, args, {**opts, "num_warps": warps, "num_stages": stages}, shape, grid[1]
 
 

@@ -8,8 +8,8 @@
 Which kernel runs depends on M (tokens in the call):
 
 - M = 1: kernels.decode, split-K matrix-vector products over the stored words (fp32 multiply-add);
-- 2 <= M <= SMALL_M: kernels.tile with one fixed tile (M padded to BLOCK_M; the tensor cores have time to
-  spare while the weights stream in) and split-K, so that decode-sized batches fill the GPU;
+- 2 <= M <= SMALL_M: kernels.tile with the swapped dot (64 weight rows x the tokens padded to 16, 32 or 64)
+  and split-K, so that decode-sized batches fill the GPU without padded multiply-adds;
 - larger M: kernels.tile, autotuned among LARGE_CONFIGS once per (M bucket, N, K, format), the configs whose
   shared memory would not fit pruned before any launch.
 
@@ -34,15 +34,24 @@ FORMAT = {(False, False): "bf16", (True, False): "w4", (False, True): "24", (Tru
 
 
 SMALL_M = tile.SMALL_M
-SMALL_BLOCK = (64, 256)  # (BLOCK_M, BLOCK_N) for 2 <= M <= SMALL_M: one wgmma row block, 128 weights a thread
+SMALL_N = 64  # weight rows a program owns for 2 <= M <= SMALL_M: one wgmma row block; small tiles fill the GPU
+WIDE_N = 256  # 2:4 + W4 on N >= WIDE_MIN_N: its rebuild costs fewer instructions a weight in a wider tile
+WIDE_MIN_N = 4096
 SMALL_OPTIONS = {"num_warps": 4, "num_stages": 3}
-# (BLOCK_M, BLOCK_N, warps, stages) for M > SMALL_M; BLOCK_K follows the format and group (kernels.tile)
-# (BLOCK_M, BLOCK_N, warps, stages, formats) for M > SMALL_M, each within 100 KB of shared memory. The 2:4
-# formats get a 128-row tile: their longer rebuild needs twice the multiply-adds per rebuilt weight to stay
-# tensor-bound (a taller tile gives each thread fewer weights and more instructions per weight: kernels.inspect)
+
+
+def small_block(m: int, n: int = 0, fmt: str = "w4") -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of the swapped tile at M tokens and N outputs: M padded to 16, 32 or 64 (the narrow
+    side of the dot), 64 weight rows, or 256 for 2:4 + W4 where N still gives enough row blocks."""
+    return max(16, triton.next_power_of_2(m)), WIDE_N if fmt == "24w4" and n >= WIDE_MIN_N else SMALL_N
+
+
+# (BLOCK_M, BLOCK_N, warps, stages, formats) for M > SMALL_M, each within 100 KB of shared memory; BLOCK_K
+# follows the format and group (kernels.tile). The 2:4 formats get a 128 x 128 tile: their longer rebuild
+# needs twice the multiply-adds per rebuilt weight to stay tensor-bound, and 128 columns keep the grid full
+# on narrow layers (k, v)
 ALL = ("bf16", "w4", "24", "24w4")
-LARGE_CONFIGS = [(64, 256, 4, 3, ALL), (64, 256, 4, 4, ("w4", "24w4")), (128, 256, 8, 3, ("24w4",)),
-                 (128, 256, 8, 2, ("24",))]
+LARGE_CONFIGS = [(64, 256, 4, 3, ALL), (64, 256, 4, 4, ("w4", "24w4")), (128, 128, 8, 3, ("24", "24w4"))]
 SMEM_LIMIT = 227 * 1024  # H100: the most shared memory one block may ask for
 INTERPRET_BLOCK = (64, 128)  # the interpreter's cost is per program: big tiles, few programs
 
@@ -123,8 +132,12 @@ def _launch(x: torch.Tensor, w: torch.Tensor, meta: torch.Tensor | None, scale: 
         return decode.decode_launch(x, w, meta, scale, y, group_size, fmt)
     dot_fp32 = INTERPRET or x.dtype == torch.float32
     if INTERPRET or M <= SMALL_M:
-        block = INTERPRET_BLOCK if INTERPRET else SMALL_BLOCK
-        grid, args, opts, partials = tile.tile_call(x, w, meta, scale, y, group_size, fmt, block, True, dot_fp32)
+        swap = M <= SMALL_M
+        bm, bn = small_block(M, out_features, fmt) if swap else INTERPRET_BLOCK
+        if INTERPRET:  # the interpreter's cost is per program: as few as the tile allows
+            bn = INTERPRET_BLOCK[1]
+        grid, args, opts, partials = tile.tile_call(x, w, meta, scale, y, group_size, fmt, (bm, bn), True, dot_fp32,
+                                                    swap)
         tile.tile_kernel[grid](*args, **opts, **({} if INTERPRET else SMALL_OPTIONS))
         if partials is not None:
             tile.sum_splits(partials, y)

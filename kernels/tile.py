@@ -4,7 +4,8 @@ Each program owns a [BLOCK_M, BLOCK_N] output tile and a slice of K (split-K ove
 when the tiles alone would leave SMs idle: decode-sized M). Per K block it loads the weight rows with K
 contiguous (16-byte vector loads, every byte once), one scale per row (BLOCK_K divides the quantization
 group), rebuilds the [BLOCK_N, BLOCK_K] bf16 tile in registers and runs `tl.dot` with fp32 accumulation
-(wgmma on sm_90 for BLOCK_M >= 64).
+(wgmma on sm_90). For decode-sized M the dot is swapped, W x.T: the weight rows take the tensor core's
+64-row side and the tokens its narrow side (16, 32 or 64), so a batch of 16 does no padded multiply-adds.
 
 W4 codes become bf16 without a conversion instruction: `(w >> 4 i) & 0x000F000F | 0x43004300` puts codes i
 and i + 4 of a word into one register as the bf16 bits of 128 + code; subtracting 136 is exact (bf16 holds
@@ -25,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-SMALL_M = 64              # up to this M, kernels.matmul runs one fixed tile with split-K (decode-sized batches)
+SMALL_M = 64              # up to this M, kernels.matmul runs the swapped tile with split-K (decode-sized batches)
 SMS = 132                 # H100 SXM: a small grid is split along K until every SM has two programs
 MIN_PROGRAMS = 2 * SMS
 BF16_128X2 = 0x43004300   # bf16 128.0 in both halves of a word: passed as an argument, so that ptxas keeps
@@ -141,16 +142,23 @@ def tile_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, o_ptr, magic, M, N, K, STEPS,
                 stride_xm, stride_xk, stride_wn, stride_wk, stride_mn, stride_mk, stride_sn, stride_sg,
                 stride_os, stride_om, stride_on, M_BUCKET,
                 GROUP: tl.constexpr, QUANT: tl.constexpr, SPARSE: tl.constexpr, DOT_FP32: tl.constexpr,
-                DEQUANT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                DEQUANT_FP32: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
     """o[split] = x @ W.T over this program's K slice; grid (N blocks, splits, M blocks). DOT_FP32: the dot in
     ieee fp32 (the interpreter, fp32 activations); DEQUANT_FP32: codes x scales in fp32 (all but bf16 on a GPU).
-    M_BUCKET is the autotuner's key only."""
+    SWAP: the dot computes the transposed tile W x.T, so that the weight rows fill the tensor core's 64-row
+    side and a few tokens its narrow side (BLOCK_M down to 16) instead of being padded to 64. M_BUCKET is the
+    autotuner's key only."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = tl.where(offs_n < N, offs_n, 0)  # clamped rows load real words; their sums are never stored
     m_ok = (offs_m < M)[:, None]
     DTYPE: tl.constexpr = tl.float32 if DOT_FP32 else x_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    PRECISION: tl.constexpr = "ieee" if DOT_FP32 else None
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     step0 = tl.program_id(1) * STEPS
     for step in range(step0, tl.minimum(step0 + STEPS, K // BLOCK_K)):
         k0 = tl.multiple_of(step * BLOCK_K, BLOCK_K)
@@ -158,12 +166,17 @@ def tile_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, o_ptr, magic, M, N, K, STEPS,
                          stride_sn, stride_sg, GROUP, QUANT, SPARSE, BLOCK_N, BLOCK_K, DEQUANT_FP32, DTYPE)
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=m_ok, other=0.0)
-        if DOT_FP32:
-            acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+        if SWAP:
+            acc = tl.dot(w, tl.trans(x.to(DTYPE)), acc, input_precision=PRECISION)
         else:
-            acc = tl.dot(x, tl.trans(w), acc)
-    ptrs = o_ptr + tl.program_id(1) * stride_os + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(ptrs, acc.to(o_ptr.dtype.element_ty), mask=m_ok & (offs_n[None, :] < N))
+            acc = tl.dot(x.to(DTYPE), tl.trans(w), acc, input_precision=PRECISION)
+    o_ptr += tl.program_id(1) * stride_os
+    if SWAP:
+        tl.store(o_ptr + offs_n[:, None] * stride_on + offs_m[None, :] * stride_om, acc.to(o_ptr.dtype.element_ty),
+                 mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
+    else:
+        tl.store(o_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, acc.to(o_ptr.dtype.element_ty),
+                 mask=m_ok & (offs_n[None, :] < N))
 
 
 @triton.jit
@@ -194,11 +207,11 @@ def block_k(fmt: str, group: int, kmax: int | None = None) -> int:
 @functools.lru_cache(maxsize=1024)
 def split(m: int, n: int, k: int, bm: int, bn: int, bk: int) -> tuple[int, int]:
     """(splits, K blocks per split): enough splits that the grid gives every SM two programs, none empty, and
-    no more than k / (64 m): the fp32 partial sums (8 m n bytes a split, written and read) stay under about
-    a quarter of what a W4 weight streams (n k / 2 bytes)."""
+    no more than k / (32 m): the fp32 partial sums (8 m n bytes a split, written and read) stay under about
+    half of what a W4 weight streams (n k / 2 bytes)."""
     steps = k // bk
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    want = min(triton.cdiv(MIN_PROGRAMS, tiles), max(1, k // (64 * m)))
+    want = min(triton.cdiv(MIN_PROGRAMS, tiles), max(1, k // (32 * m)))
     per = max(1, steps // want)
     return triton.cdiv(steps, per), per
 
@@ -218,10 +231,10 @@ def sum_splits(partials, y) -> None:
 
 
 def tile_call(x, w, meta, scale, y, group: int, fmt: str, block: tuple[int, int], split_k: bool,
-              dot_fp32: bool) -> tuple:
+              dot_fp32: bool, swap: bool = False) -> tuple:
     """(grid, args, constexpr options, partials or None) of one tile launch for checked inputs; `fmt` is bf16,
-    w4, 24 or 24w4, `block` (BLOCK_M, BLOCK_N); split_k: split K to fill the GPU (decode-sized M).
-    kernels.inspect compiles exactly this."""
+    w4, 24 or 24w4, `block` (BLOCK_M, BLOCK_N); split_k: split K to fill the GPU, swap: the transposed dot
+    (both for decode-sized M). kernels.inspect compiles exactly this."""
     (m, k), n = x.shape, y.shape[1]
     quant, sparse = fmt in ("w4", "24w4"), fmt in ("24", "24w4")
     bm, bn = block
@@ -237,6 +250,6 @@ def tile_call(x, w, meta, scale, y, group: int, fmt: str, block: tuple[int, int]
             *(meta_t.stride() if sparse else (0, 0)), *(s.stride() if quant else (0, 0)), *o_strides,
             min(triton.next_power_of_2(m), 4096))  # the M bucket: a prompt length does not retune
     opts = {"GROUP": group if quant else 1, "QUANT": quant, "SPARSE": sparse, "DOT_FP32": dot_fp32,
-            "DEQUANT_FP32": dot_fp32 or x.dtype != torch.bfloat16, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
+            "DEQUANT_FP32": dot_fp32 or x.dtype != torch.bfloat16, "SWAP": swap, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
     grid = (triton.cdiv(n, bn), splits, triton.cdiv(m, bm))
     return grid, args, opts, None if splits == 1 else out

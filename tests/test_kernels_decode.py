@@ -9,7 +9,7 @@ from test_kernels import _close, _keep24, _on, _w4
 from core.errors import SmeltError
 from core.packing import pack_24, pack_int4
 from kernels import decode, tile
-from kernels.matmul import sparse24_matmul, sparse24_w4a16_matmul, w4a16_matmul
+from kernels.matmul import small_block, sparse24_matmul, sparse24_w4a16_matmul, w4a16_matmul
 
 # N not a multiple of any BLOCK_N; K of several K blocks, so several split-K slices (and partial sums)
 SHAPES = [(1, 37, 256, 64), (3, 37, 256, 64), (16, 21, 128, 32), (70, 21, 128, 64)]
@@ -20,8 +20,12 @@ def test_small_shapes_split_k_and_route_here():
     bn, _, _, splits, _ = decode.plan("w4", 14336, 4096, 64)
     assert -(-14336 // bn) * splits >= 2 * tile.SMS  # one token still fills the H100
     assert decode.supports("w4", 1, 64) and not decode.supports("w4", 2, 64)
-    # the tile: splits fill the GPU at decode-sized M, partial sums stay small against the weights
-    assert tile.split(16, 14336, 4096, 64, 256, 64) == (4, 16)
+    # the swapped tile: the tokens padded to 16, 32 or 64 only; splits fill the GPU at decode-sized M, and the
+    # partial sums (8 M N bytes a split) stay within half of what the W4 weight streams (N K / 2 bytes)
+    assert small_block(16) == (16, 64) and small_block(2) == (16, 64) and small_block(33) == (64, 64)
+    assert tile.split(16, 14336, 4096, 16, 64, 64) == (2, 32)
+    splits, _ = tile.split(16, 1024, 4096, 16, 64, 64)  # Llama-3.1-8B's k and v: 16 row blocks
+    assert splits == 8 and 8 * 16 * 1024 * splits <= 1024 * 4096 / 2 / 2
     assert tile.split(2048, 14336, 4096, 64, 256, 64)[0] == 1
     assert tile.block_k("w4", 64) == 64 and tile.block_k("w4", 24) == 8 and tile.block_k("24w4", 16) == 0
 

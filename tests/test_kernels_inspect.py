@@ -6,14 +6,15 @@ import pytest
 
 from core.errors import SmeltError
 from kernels import roofline
-from kernels.inspect import inspect_all, main, render_tables
+from kernels.inspect import TILE_CONFIGS, inspect_all, main, render_tables
 
 SMALL = roofline.Variant(block_m=16, block_n=64, block_k=128, num_warps=4, registers=128, shared_bytes=64 * 1024,
                          loop_instructions=0, mma="hmma", route="m1")
 
 
 def test_the_w4_tile_compiles_offline_for_sm90_in_storage_order_within_the_static_targets():
-    (r,) = inspect_all(["w4"], [1], [90], jobs=1, progress=False)
+    large = next(i for i, c in enumerate(TILE_CONFIGS) if c[0] == "large 0")
+    (r,) = inspect_all(["w4"], [large], [90], jobs=1, progress=False)
     assert "error" not in r, r.get("error")
     assert r["registers"] > 0 and r["fits_block"] and r["shared_bytes"] <= 100 * 1024
     assert r["spill_store_bytes"] == 0 and r["spill_load_bytes"] == 0
