@@ -77,7 +77,7 @@ class Variant:
     loop_instructions: int     # SASS instructions of one main-loop iteration, per warp
     mma: str                   # "hgmma" (wgmma), "hmma" (mma.sync) or "none" (fp32 multiply-add)
     route: str = "large"       # which M kernels.matmul gives it: "m1" (M = 1), "small" (M <= 64), "large"
-    split_k: bool = False      # K split until the grid gives every SM two programs (kernels.tile.split)
+    split_k: bool = False      # K split so that the waves of programs fill the SMs (kernels.tile.split)
 
 
 def routes(m: int) -> tuple[str, ...]:

@@ -23,7 +23,9 @@ def test_small_shapes_split_k_and_route_here():
     # the swapped tile: the tokens padded to 16, 32 or 64 only; splits fill the GPU at decode-sized M, and the
     # partial sums (8 M N bytes a split) stay within half of what the W4 weight streams (N K / 2 bytes)
     assert small_block(16) == (16, 64) and small_block(2) == (16, 64) and small_block(33) == (64, 64)
-    assert tile.split(16, 14336, 4096, 16, 64, 64) == (2, 32)
+    assert tile.split(16, 28672, 4096, 16, 64, 64) == (5, 13)  # 448 tiles: 17 x 13 K blocks a SM, not 4 x 64
+    splits, per = tile.split(16, 14336, 4096, 16, 64, 64)  # 224 tiles: no split runs fewer K blocks a SM
+    assert -(-224 * splits // 132) * per == min(-(-224 * s // 132) * -(-64 // s) for s in range(1, 9))
     splits, _ = tile.split(16, 1024, 4096, 16, 64, 64)  # Llama-3.1-8B's k and v: 16 row blocks
     assert splits == 8 and 8 * 16 * 1024 * splits <= 1024 * 4096 / 2 / 2
     assert tile.split(2048, 14336, 4096, 64, 256, 64)[0] == 1
