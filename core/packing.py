@@ -92,6 +92,6 @@ def unpack_24(values: torch.Tensor, meta: torch.Tensor, in_features: int) -> tor
         raise SmeltError(f"2:4 values {list(values.shape)} and meta {list(meta.shape)} do not describe "
                          f"[{out}, {in_features}]")
     pos = unpack_24_positions(meta, in_features)
-    dense = torch.zeros(out, in_features // 4, 4, dtype=values.dtype)
+    dense = torch.zeros(out, in_features // 4, 4, dtype=values.dtype, device=values.device)
     dense.scatter_(-1, pos, values.reshape(out, -1, 2))
     return dense.reshape(out, in_features)

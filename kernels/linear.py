@@ -3,15 +3,33 @@
 
 Built from what the release stores (core.release_layout.ReleaseLinear) or from a pruned artifact's weight and
 keep-mask; the 2:4 structure is checked once here (core.packing), never per call.
+
+2:4 on 16-bit values at M > SMALL_M on a GPU goes to PyTorch's semi-structured sparse tensors (cuSPARSELt):
+there the matmul is compute-bound, and the sparse tensor cores do half the multiply-adds, where the Triton
+tile rebuilds the dense tile. The semi-structured copy is built from the stored values on first use (it
+holds as many bytes again); where it cannot be built (shape, PyTorch build) the Triton tile runs.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from core.packing import pack_24, pack_int4, unpack_24_positions
+from core.packing import pack_24, pack_int4, unpack_24, unpack_24_positions
 from core.release_layout import ReleaseLinear
-from kernels.matmul import sparse24_matmul, sparse24_w4a16_matmul, w4a16_matmul
+from kernels.matmul import SMALL_M, sparse24_matmul, sparse24_w4a16_matmul, w4a16_matmul
+
+
+def uses_cusparselt(m: int, x: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether 2:4 `values` at M tokens of x go to PyTorch's semi-structured matmul: 16-bit values of x's
+    dtype, on a GPU, past the decode-sized M that the Triton kernel's split-K serves."""
+    return (m > SMALL_M and x.device.type == "cuda" and x.dtype == values.dtype
+            and values.dtype in (torch.float16, torch.bfloat16))
+
+
+def semi_structured(dense: torch.Tensor) -> torch.Tensor:
+    from torch.sparse import to_sparse_semi_structured
+
+    return to_sparse_semi_structured(dense)
 
 
 class KernelLinear(nn.Module):
@@ -22,6 +40,7 @@ class KernelLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.kind, self.group_size = in_features, out_features, kind, group_size
         self._paths: list[str] = []  # "w4" / "s24w4" / "s24" / "dense"; with several, each has <path>_rows
+        self._semi: torch.Tensor | bool | None = None  # the s24 weight for cuSPARSELt; False: cannot be built
         self.register_buffer("bias", None if bias is None else bias.detach().clone())  # Qwen2's q/k/v
 
     def _add(self, path: str, rows: torch.Tensor | None, **tensors: torch.Tensor) -> None:
@@ -76,8 +95,19 @@ class KernelLinear(nn.Module):
         if path == "s24w4":
             return sparse24_w4a16_matmul(x, b("packed"), b("meta"), b("scale"), self.group_size)
         if path == "s24":
+            if uses_cusparselt(x.shape[0], x, b("values")) and (semi := self._semi_weight()) is not False:
+                return nn.functional.linear(x, semi)
             return sparse24_matmul(x, b("values"), b("meta"))
         return x @ b("weight").to(x.dtype).T  # dense rows of an unquantized 2:4 module
+
+    def _semi_weight(self) -> torch.Tensor | bool:
+        """The s24 rows as a semi-structured sparse tensor, built once; False where PyTorch refuses them."""
+        if self._semi is None:
+            try:
+                self._semi = semi_structured(unpack_24(self.s24_values, self.s24_meta, self.in_features))
+            except (RuntimeError, ValueError, ImportError):  # shape, dtype or build: the Triton tile runs
+                self._semi = False
+        return self._semi
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

@@ -13,7 +13,7 @@ from core.packing import pack_24, pack_int4, unpack_24, unpack_24_positions, unp
 from core.patterns import NMPattern
 from core.release_layout import ReleaseLinear, read_release_linears
 from kernels.linear import KernelLinear
-from kernels.matmul import DEVICE, sparse24_matmul, sparse24_w4a16_matmul, w4a16_matmul
+from kernels.matmul import DEVICE, SMALL_M, sparse24_matmul, sparse24_w4a16_matmul, w4a16_matmul
 from qat.quantizers import QuantSpec
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # relative to max |y|
@@ -159,6 +159,35 @@ def test_kernel_linear_runs_dense_rows_on_the_dense_path():
     with pytest.raises(SmeltError, match="keeps more than 2"):
         KernelLinear.from_release(ReleaseLinear("m", (n, k), g, scale, packed=pack_int4(q), keep=keep,
                                                 dense_rows=dense_rows))
+
+
+def test_large_m_bf16_24_goes_to_cusparselt_built_once_from_the_stored_values(monkeypatch):
+    """Past decode-sized M on a GPU, bf16/fp16 2:4 runs PyTorch's semi-structured matmul (its sparse tensor
+    cores); here the GPU and the semi-structured tensor are stood in for, the routing and the weight are real."""
+    import kernels.linear as kl
+
+    v, x16 = torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(1, 8, dtype=torch.bfloat16)
+    on_gpu = lambda t: type("T", (), {"device": torch.device("cuda"), "dtype": t.dtype})()
+    assert kl.uses_cusparselt(SMALL_M + 1, on_gpu(x16), v) and not kl.uses_cusparselt(SMALL_M, on_gpu(x16), v)
+    assert not kl.uses_cusparselt(SMALL_M + 1, x16, v)  # CPU: the interpreter's kernel
+    assert not kl.uses_cusparselt(SMALL_M + 1, on_gpu(x16.float()), v.float())  # fp32: no sparse tensor cores
+
+    gen = torch.Generator().manual_seed(5)
+    n, k = 24, 64
+    keep = _keep24(n, k, gen)
+    w = (torch.randn(n, k, generator=gen) * keep).to(torch.bfloat16)
+    built = []
+    monkeypatch.setattr(kl, "uses_cusparselt", lambda m, x, values: m > SMALL_M)
+    monkeypatch.setattr(kl, "semi_structured", lambda dense: built.append(dense) or dense)
+    mod = KernelLinear.from_pruned(w, keep).to(DEVICE)
+    x = torch.randn(SMALL_M + 3, k, generator=gen).to(torch.bfloat16)
+    for _ in range(2):
+        _close(mod(*_on(x)), x.float() @ w.float().T, torch.bfloat16)
+    assert len(built) == 1 and torch.equal(built[0].cpu(), w)  # once, from the stored values and metadata
+    monkeypatch.setattr(kl, "semi_structured", lambda dense: (_ for _ in ()).throw(RuntimeError("shape")))
+    mod = KernelLinear.from_pruned(w, keep).to(DEVICE)
+    _close(mod(*_on(x)), x.float() @ w.float().T, torch.bfloat16)  # refused: the Triton tile runs
+    assert mod._semi is False
 
 
 @pytest.fixture(scope="module")
