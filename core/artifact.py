@@ -39,6 +39,15 @@ def read_manifest(art_dir: str | Path) -> dict:
     return manifest
 
 
+def training_step(model_dir: str | Path) -> int:
+    """The training step that made an artifact (its manifest's settings.steps); 0 for a model no training
+    stage wrote (a teacher, a pruned or quantized artifact)."""
+    if not (Path(model_dir) / "manifest.json").is_file():
+        return 0
+    steps = read_manifest(model_dir).get("settings", {}).get("steps")
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0 else 0
+
+
 def parent_record(src_dir: str | Path) -> dict | None:
     """How a manifest points at the artifact it was made from: path, stage and settings."""
     src_dir = Path(src_dir)

@@ -1,7 +1,8 @@
 """Files on disk: hashes, atomic writes (temp path, then rename) and checked safetensors reads.
 
 Every writer in the project goes through here, so an interrupted stage never leaves a half-written file
-or directory where a finished one is expected, and every reader turns a truncated or corrupt file, or a
+or directory where a finished one is expected, every file written has the mode the user's umask gives a new
+file, and every reader turns a truncated or corrupt file, or a
 non-finite weight, into one line that names the file and the tensor. Only safetensors are read.
 """
 from __future__ import annotations
@@ -32,6 +33,26 @@ def _tmp_sibling(path: Path, tag: str = "tmp") -> Path:
     return path.parent / f".{path.name}.{tag}-{os.getpid()}"
 
 
+def new_file_mode() -> int:
+    """The mode open() gives a new file under this process's umask (0o644 under umask 022)."""
+    try:  # Linux reports it without changing it
+        status = Path("/proc/self/status").read_text()
+        umask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("Umask:")), 8)
+    except (OSError, StopIteration, ValueError, IndexError):
+        umask = os.umask(0)
+        os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _as_new_files(paths) -> None:
+    """Give written files the mode a plain open() would: some writers (safetensors) create theirs 0600, and
+    a rename keeps it, so a team sharing the directory could not read the weights."""
+    mode = new_file_mode()
+    for p in paths:
+        if p.is_file() and not p.is_symlink():
+            os.chmod(p, mode)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path):
     """Yield a temporary sibling path to write one file to; on normal exit it replaces `path`."""
@@ -43,6 +64,7 @@ def atomic_path(path: str | Path):
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    _as_new_files([tmp])
     os.replace(tmp, path)
 
 
@@ -62,6 +84,7 @@ def atomic_dir(path: str | Path, overwrite: bool = False):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _as_new_files(tmp.rglob("*"))
     old = None
     if path.exists():
         old = _tmp_sibling(path, "old")

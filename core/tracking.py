@@ -36,9 +36,12 @@ def enabled() -> bool:
     return os.environ.get("WANDB_MODE", "offline") != "disabled"
 
 
-def log_evaluation(report: dict, out_dir: str | Path, name: str) -> None:
+def log_evaluation(report: dict, out_dir: str | Path, name: str, step: int) -> None:
     """One evaluation's per-bucket metrics (history and summary, under `eval/<bucket>/<metric>`) and its
-    table, into the stage's run (resumed if the training ranks opened it first)."""
+    table, into the stage's run (resumed if the training ranks opened it first). `step`: the stage's training
+    step that made the model (0 when none did), logged as `eval/step` and declared the x-axis of every
+    `eval/` metric: the row is written at the run's next step, so a resumed run never drops it as out of
+    order, and still plots at the step it belongs to."""
     if not enabled():
         return
     import wandb  # here, not at the top: seconds to import, and only this path needs it
@@ -55,6 +58,8 @@ def log_evaluation(report: dict, out_dir: str | Path, name: str) -> None:
     for bucket, m in report["buckets"].items():
         table.add_data(bucket, *(m.get(c) for c in cols[1:]))
         metrics.update({f"eval/{bucket}/{c}": m[c] for c in cols[1:] if c in m})
-    run.log({**metrics, "eval/table": table})
+    run.define_metric("eval/step")
+    run.define_metric("eval/*", step_metric="eval/step")
+    run.log({"eval/step": step, **metrics, "eval/table": table})
     run.summary.update(metrics)
     run.finish()

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from configs.schema import build, load_toml
-from core.artifact import weights_fingerprint
+from core.artifact import training_step, weights_fingerprint
 from core.data import BUCKETS, EvalConfig, corpus_record, eval_windows, parse_windows
 from core.device import default_device, machine_record
 from core.errors import ArgumentParser, SmeltError, run_cli
@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         atomic_write_text(args.out, json.dumps(report, indent=2) + "\n")
     if args.wandb:
-        log_evaluation(report, Path(args.out).parent if args.out else Path("."), name=str(model_dir))
+        log_evaluation(report, Path(args.out).parent if args.out else Path("."), name=str(model_dir),
+                       step=training_step(model_dir))
 
 
 if __name__ == "__main__":

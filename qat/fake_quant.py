@@ -197,10 +197,11 @@ def init_scales(model: nn.Module) -> list[str]:
 def freeze_weight(w: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, spec: QuantSpec
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(int8 codes, fp32 scale, zero point) of one full weight, on the CPU: what the forward used (the scale
-    clamped as in quantized_weight) and what the export writes."""
-    scale = scale.detach().float().clamp_min(torch.finfo(torch.float32).eps)
-    codes = quantize(w.detach().float(), scale, zp, spec)
-    return codes.cpu(), scale.cpu(), None if zp is None else zp.detach().to("cpu", copy=True)
+    clamped as in quantized_weight) and what the export writes. Computed on the CPU whatever devices the
+    inputs are on (the export's weight is on the CPU, the trainer's scale on its GPU)."""
+    scale = scale.detach().float().cpu().clamp_min(torch.finfo(torch.float32).eps)
+    zp = None if zp is None else zp.detach().to("cpu", copy=True)
+    return quantize(w.detach().float().cpu(), scale, zp, spec), scale, zp
 
 
 @torch.no_grad()

@@ -312,6 +312,18 @@ def test_bad_trainer_config_is_refused(dirs, tmp_path):
         SmeltTrainer(cfg)
 
 
+def test_an_export_longer_than_the_training_timeout_finishes_on_two_ranks(dirs):
+    """Rank 0's write outlasts comm.train_timeout_seconds while rank 1 waits for it (the stand-in sleeps in
+    rank 0's write_artifact): the end of a stage runs under export_timeout_seconds, so nobody aborts."""
+    env = dict(_env(), PYTHONPATH=f"{ROOT}:{ROOT / 'tests' / 'slow_export'}", SMELT_TEST_EXPORT_DELAY="12")
+    cmd = LAUNCH[:-1] + ["debug_distill", "--student", str(dirs / "student"), "--teacher", str(dirs / "teacher"),
+                         "--dump_folder", str(dirs / "slow"), "--export_dir", str(dirs / "slow-out"),
+                         "--training.steps", "2", "--comm.train_timeout_seconds", "5"]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, launch_log(proc)
+    assert (dirs / "slow-out" / "model.safetensors").is_file()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_qat_through_the_trainer_keeps_2of4_and_exports_on_grid(dirs, tmp_path, dtype):
     # bfloat16: bf16 compute, the fake quantization on fp32 weights (tests/test_sharded_load.py checks how).
@@ -404,6 +416,9 @@ def test_wandb_offline_run_holds_training_and_evaluation_and_survives_a_requeue(
         k: v for r in runs for k, v in r["summary"].items()}
     assert summary["eval/en/kl_mean"] == pytest.approx(evaluated["kl_mean"])
     assert summary["eval/table/nrows"] == 1
+    # the evaluation's row carries the stage's step (the export's, 4) and comes after every training row
+    (row,) = [row for r in runs for row in r["history"] if "eval/en/kl_mean" in row]
+    assert row["eval/step"] == 4 and row["_step"] > max(t["_step"] for t in train_rows)
 
 
 def test_launcher_refuses_more_ranks_than_the_node_or_the_allocation_has(monkeypatch):

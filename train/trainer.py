@@ -24,9 +24,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import spmd_types as spmd
@@ -35,26 +35,22 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.activation_checkpoint import FullAC
+from torchtitan.distributed.utils import set_pg_timeouts
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from core.artifact import parent_record, write_manifest
 from core.device import peak_rss_gib
 from core.dtensor import full, local
 from core.errors import SmeltError
-from core.files import atomic_dir
-from core.masks import MASKS_FILE, load_dense_rows, load_masks, save_masks
+from core.masks import MASKS_FILE, load_dense_rows, load_masks
 from core.runlock import RunLock
 from core.teacher_topk import TopKCache
 from distill.losses import hidden_divergence
-from models.hf_io import config_from_hf, load_into, load_tokenizer, read_hf_config, save_hf
+from models.hf_io import config_from_hf, load_into, load_tokenizer, read_hf_config
 from models.llama import Transformer
-from models.mtp import MTP_FILE, main_fingerprint, save_mtp
 from models.teacher import resolve_teacher
-from qat.fake_quant import fake_quant_modules, freeze_weight
-from qat.qparams import QPARAMS_FILE, save_qparams
-from qat.quantizers import dequantize
 from train.checks import check_teacher_cache, hidden_pairs
+from train.export import empty_cpu_copy, gather, write_artifact
 from train.masks import MaskLearningConfig, MaskSet, changed_groups
 from train.on_policy import OnPolicyConfig, student_windows
 from train.titan import fsdp_mesh, pop_teacher_topk, shard_model
@@ -68,6 +64,8 @@ def check_config(config: SmeltTrainer.Config) -> None:
     """The checks that need no model or process group (train.launch runs them before the ranks start)."""
     if not config.student or not Path(config.student).is_dir():
         raise SmeltError(f"--student {config.student!r}: artifact directory does not exist")
+    if config.export_timeout_seconds <= 0:
+        raise SmeltError(f"--export_timeout_seconds must be > 0, got {config.export_timeout_seconds}")
     if config.activation_checkpoint is not None and not isinstance(config.activation_checkpoint, FullAC.Config):
         policy = type(config.activation_checkpoint).__qualname__.split(".")[0]
         raise SmeltError(f"activation checkpointing policy {policy} is not supported: use "
@@ -140,6 +138,9 @@ class SmeltTrainer(Trainer):
         """Fixed masks (default) or masks re-selected during training (SR-STE; train.masks)."""
         on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
         """A share of the steps on the student's own continuations, scored by the teacher (train.on_policy)."""
+        export_timeout_seconds: int = 3600
+        """Collective timeout while ranks wait on a checkpoint save or on rank 0's export (gather, write,
+        hashes): torchtitan's comm.train_timeout_seconds is shorter than an 8B model's export."""
 
     def __init__(self, config: Config):
         check_config(config)
@@ -182,6 +183,7 @@ class SmeltTrainer(Trainer):
         if bad.item():
             raise SmeltError(f"--student {config.student}: weights are non-zero where masks.safetensors "
                              f"removes them ({bad.item()} weights); the artifact is broken")
+        self._save_checkpoint, self.checkpointer.save = self.checkpointer.save, self._save_with_room
         for opt in self.optimizers.optimizers:
             opt.register_step_pre_hook(self._before_optimizer_step)
             opt.register_step_post_hook(self._after_optimizer_step)
@@ -237,17 +239,6 @@ class SmeltTrainer(Trainer):
         loss, mean = _token_mean(per_token, labels, global_valid_tokens)
         return c.hidden_weight * loss, mean
 
-    def _cpu_model(self) -> Transformer:
-        """An empty fp32 CPU copy of the student's architecture (the export fills it)."""
-        with torch.device("meta"):
-            model = Transformer(self.student.cfg)
-        model = model.to_empty(device="cpu")
-        for k in set(model.layers.keys()) - set(self.student.layers.keys()):
-            del model.layers[k]  # depth-pruned students keep their original layer keys
-        if model.cfg.tie_embeddings:
-            model.output.weight = model.tok_embeddings.weight
-        return model
-
     def _autocast(self):
         """bf16 compute without FSDP (one device): torchtitan casts parameters only through fully_shard."""
         dtype = TORCH_DTYPE_MAP[self.config.training.mixed_precision_param]
@@ -270,7 +261,7 @@ class SmeltTrainer(Trainer):
     @torch.no_grad()
     def _gather_student(self, copy: Transformer | None) -> Transformer:
         """The student's current weights in a whole, unsharded model on this rank's device."""
-        copy = copy if copy is not None else self._cpu_model().to(self.device)  # tied as the student is
+        copy = copy if copy is not None else empty_cpu_copy(self.student).to(self.device)  # tied as the student is
         params, filled = dict(copy.named_parameters()), set()
         for name, p in self.student.named_parameters():
             t = full(p.detach())
@@ -410,12 +401,28 @@ class SmeltTrainer(Trainer):
             return False
         return super().should_continue_training()
 
-    # ---- export --------------------------------------------------------------------------------
+    # ---- saves and export: the waits of the end of a stage ---------------------------------------
+    def _timeouts(self, seconds: int) -> None:
+        """Every process group's collective timeout (torchtitan's own switch: all ranks meet first)."""
+        if dist.is_initialized():
+            set_pg_timeouts(timedelta(seconds=seconds), self.parallel_dims)
+
+    def _save_with_room(self, step: int, last_step: bool = False) -> None:
+        """torchtitan's checkpoint save, under export_timeout_seconds when it writes: a DCP save of a large
+        model outlasts comm.train_timeout_seconds. The ranks meet before and after (every rank saves)."""
+        if not self.checkpointer._should_save(step, last_step=last_step):
+            return self._save_checkpoint(step, last_step=last_step)
+        self._timeouts(self.config.export_timeout_seconds)
+        self._save_checkpoint(step, last_step=last_step)
+        self._timeouts(self.config.comm.train_timeout_seconds)
+
     def train(self):
         self.stopped_by_signal = False
         super().train()
         logger.info("rank %d trained to step %d: peak RSS %.3f GiB", int(os.environ.get("RANK", "0")), self.step,
                     peak_rss_gib())
+        # From here the ranks wait on rank 0 (the export, then train.run's last barrier): the long timeout.
+        self._timeouts(self.config.export_timeout_seconds)
         if self.config.export_dir and not self.stopped_by_signal and self.step == self.config.training.steps:
             self.export(Path(self.config.export_dir))
 
@@ -429,66 +436,31 @@ class SmeltTrainer(Trainer):
 
     @torch.no_grad()
     def export(self, out_dir: Path) -> None:
-        """Gather the student (collective) and write it as an artifact from rank 0.
+        """Gather the student (collective) and write it as an artifact from rank 0 (train.export).
 
         A QAT student is written as its fake-quantized weights (so the artifact's logits are the
         quantized model's) plus qparams.safetensors with the scales the release packs.
         """
-        # Gathered one tensor at a time (each full() is a collective: every rank, the same order) and copied
-        # straight into a CPU model that only rank 0 builds: no other rank ever holds the whole model.
-        rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        model = self._cpu_model() if rank0 else None
-        cpu = dict(model.named_parameters()) if rank0 else {}
-        for name, p in self.student.named_parameters():
-            t = full(p.detach())
-            if rank0 and name in cpu:  # QAT's learned scales are read below, per module
-                cpu[name].copy_(t)
-            del t
-        frozen, spec = {}, None
-        for name, m in fake_quant_modules(self.student).items():
-            scale = full(m.weight_scale.detach())  # a sharded parameter when learned
-            if rank0:  # the artifact holds the weights the forward used: dequantize(codes)
-                w, spec = cpu[f"{name}.weight"], m.spec
-                frozen[name] = freeze_weight(w, scale, m.weight_zero_point, spec)
-                w.copy_(dequantize(*frozen[name], spec))
-        masks = {}
-        for n, _, m in self.masks.pairs:
-            t = full(m.to(torch.uint8))
-            if rank0:
-                masks[n] = t.bool().cpu()
-        heads, mtp_state = self.model_parts[0].mtp, {}
-        for name, p in (heads.named_parameters() if heads is not None else ()):
-            t = full(p.detach())
-            if rank0:
-                mtp_state[name] = t.float().cpu()
-        if not rank0:
+        heads = self.model_parts[0].mtp
+        g = gather(self.student, self.masks.pairs, heads)
+        if g is None:
             return
         cfg = self.config
         tok_src = cfg.student if (Path(cfg.student) / "tokenizer.json").is_file() else self.teacher_dir
-        stage = ("mtp" if heads is not None else "qat" if frozen
+        stage = ("mtp" if heads is not None else "qat" if g.frozen
                  else "distill" if self.distills else "train")
-        with atomic_dir(out_dir, overwrite=True) as tmp:
-            save_hf(model, tmp, tokenizer=load_tokenizer(tok_src) if tok_src else None)
-            if masks:
-                save_masks(model, masks, tmp, load_dense_rows(cfg.student))
-            if frozen:
-                save_qparams(model, {n: (s, z) for n, (_, s, z) in frozen.items()}, spec, tmp)
-            if heads is not None:  # trained against exactly the main model written above
-                save_mtp(mtp_state, model.cfg, tmp, main_fingerprint(tmp), {"stage": stage}, heads.fuse_layers)
-                if not (frozen or cfg.model_spec.model.mtp.joint) and (Path(cfg.student) / QPARAMS_FILE).is_file():
-                    shutil.copy2(Path(cfg.student) / QPARAMS_FILE, tmp / QPARAMS_FILE)
-            elif (Path(cfg.student) / MTP_FILE).is_file():  # carried through; it names the model it was trained on
-                shutil.copy2(Path(cfg.student) / MTP_FILE, tmp / MTP_FILE)
-            write_manifest(tmp, stage=stage, settings={
-                "student": cfg.student, "teacher": str(self.teacher_dir or getattr(self, "teacher_source", "")),
-                "loss": _plain(cfg.loss), "steps": self.step, "tokens_seen": int(self.ntokens_seen),
-                "local_batch_size": cfg.training.local_batch_size, "seq_len": cfg.training.seq_len,
-                "dp_shard": self.parallel_dims.dp_shard, "optimizer": _plain(cfg.optimizer),
-                "fake_quant": _plain(cfg.model_spec.model.fake_quant), "mtp": _plain(cfg.model_spec.model.mtp),
-                "data": _plain(cfg.dataloader),
-                "mask_learning": {**_plain(cfg.mask_learning), **self._mask_changes(masks)},
-                "on_policy": _plain(cfg.on_policy),
-            }, parent=parent_record(cfg.student))
+        write_artifact(g, out_dir, student=cfg.student, tokenizer=load_tokenizer(tok_src) if tok_src else None,
+                       stage=stage, fuse_layers=None if heads is None else heads.fuse_layers,
+                       joint_mtp=cfg.model_spec.model.mtp.joint, settings={
+            "student": cfg.student, "teacher": str(self.teacher_dir or getattr(self, "teacher_source", "")),
+            "loss": _plain(cfg.loss), "steps": self.step, "tokens_seen": int(self.ntokens_seen),
+            "local_batch_size": cfg.training.local_batch_size, "seq_len": cfg.training.seq_len,
+            "dp_shard": self.parallel_dims.dp_shard, "optimizer": _plain(cfg.optimizer),
+            "fake_quant": _plain(cfg.model_spec.model.fake_quant), "mtp": _plain(cfg.model_spec.model.mtp),
+            "data": _plain(cfg.dataloader),
+            "mask_learning": {**_plain(cfg.mask_learning), **self._mask_changes(g.masks)},
+            "on_policy": _plain(cfg.on_policy),
+        })
         logger.info("exported the student to %s", out_dir)
 
 
