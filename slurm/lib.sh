@@ -16,6 +16,20 @@ smelt_check_venv() {
   SMELT_PYTHON=${SMELT_VENV:-$root/.venv}/bin/python
 }
 
+# The environment every process of the job inherits; each variable is kept if already set:
+#   PYTHONFAULTHANDLER=1               a rank that crashes, or is killed on a collective timeout, prints its
+#                                      Python stacks in the job log
+#   TORCH_NCCL_ASYNC_ERROR_HANDLING=1  an NCCL error or timeout aborts the rank (torchrun then stops the rest)
+#                                      instead of leaving it hung until the time limit
+#   NCCL_DEBUG=WARN                    NCCL's warnings in the job log, not its info lines
+#   WANDB_MODE=offline                 WANDB_MODE=online (and WANDB_API_KEY) to sync live
+smelt_job_env() {
+  export PYTHONFAULTHANDLER=${PYTHONFAULTHANDLER:-1}
+  export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+  export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+  export WANDB_MODE=${WANDB_MODE:-offline}
+}
+
 # The multi-node rendezvous from the allocation. Exports what train.launch needs on every node:
 #   SMELT_NNODES         nodes (SLURM_NNODES)
 #   SMELT_NPROC          ranks per node: $1 if given, else SMELT_NPROC, else SLURM_GPUS_ON_NODE

@@ -262,7 +262,8 @@ if "--list-stages" in sys.argv:
     print("prune\nrecover\n\nquantize")
     sys.exit(0)
 with open(os.path.join(out, "env.json"), "w") as f:
-    json.dump({k: v for k, v in os.environ.items() if k.startswith("SMELT_")} | {"argv": sys.argv[1:]}, f)
+    json.dump({k: v for k, v in os.environ.items() if k.startswith(("SMELT_", "PYTHONFAULT", "TORCH_NCCL", "NCCL_"))}
+              | {"argv": sys.argv[1:]}, f)
 cmd = [*shlex.split(os.environ["SMELT_LAUNCH_PREFIX"]), sys.executable, os.path.join(out, "waiter.py")]
 sys.exit(subprocess.run(cmd).returncode)
 '''
@@ -315,6 +316,8 @@ def test_stage_sbatch_exports_the_rendezvous_and_requeues_on_usr1(tmp_path, reci
     assert seen["argv"] == ["smollm2", "--stage", "recover", "--set", "run_dir=/x"]
     assert (seen["SMELT_NNODES"], seen["SMELT_NPROC"], seen["SMELT_RDZV_ID"]) == ("2", "4", "5151")
     assert seen["SMELT_RDZV_ENDPOINT"] == f"node07:{29500 + 5151 % 1000}"
+    # a crashing or timed-out rank prints its stacks; an NCCL error aborts instead of hanging
+    assert (seen["PYTHONFAULTHANDLER"], seen["TORCH_NCCL_ASYNC_ERROR_HANDLING"], seen["NCCL_DEBUG"]) == ("1", "1", "WARN")
     assert shlex.split(seen["SMELT_LAUNCH_PREFIX"]) == [
         "srun", "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", str(ROOT / "slurm" / "task.sh")]
 
