@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 
 import torch
@@ -44,13 +45,42 @@ def new_file_mode() -> int:
     return 0o666 & ~umask
 
 
-def _as_new_files(paths) -> None:
-    """Give written files the mode a plain open() would: some writers (safetensors) create theirs 0600, and
-    a rename keeps it, so a team sharing the directory could not read the weights."""
+def canonical_safetensors(path: Path) -> None:
+    """Sort a safetensors header's metadata keys, in place: the writer keeps them in a hash map whose order
+    changes from process to process, so the same tensors and metadata gave different bytes (and hashes).
+    The header keeps its length; one whose re-serialisation would not is left as it is."""
+    with open(path, "r+b") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return
+        (n,) = struct.unpack("<Q", head)
+        raw = f.read(n)
+        try:
+            header = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return
+        meta = header.get("__metadata__") if isinstance(header, dict) else None
+        if not isinstance(meta, dict) or len(meta) < 2:
+            return
+        header = {"__metadata__": dict(sorted(meta.items())), **{k: v for k, v in header.items()
+                                                                 if k != "__metadata__"}}
+        new = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(new) != len(raw.rstrip(b" ")):
+            return
+        f.seek(8)
+        f.write(new.ljust(n, b" "))
+
+
+def _finish(paths) -> None:
+    """Written files as a plain open() would leave them: the umask's mode (some writers, safetensors, create
+    theirs 0600, and a rename keeps it, so a team sharing the directory could not read the weights), and
+    safetensors headers in one byte order."""
     mode = new_file_mode()
     for p in paths:
         if p.is_file() and not p.is_symlink():
             os.chmod(p, mode)
+            if p.suffix == ".safetensors":
+                canonical_safetensors(p)
 
 
 @contextlib.contextmanager
@@ -64,7 +94,9 @@ def atomic_path(path: str | Path):
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _as_new_files([tmp])
+    _finish([tmp])
+    if path.suffix == ".safetensors":  # the temporary name has another suffix
+        canonical_safetensors(tmp)
     os.replace(tmp, path)
 
 
@@ -84,7 +116,7 @@ def atomic_dir(path: str | Path, overwrite: bool = False):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _as_new_files(tmp.rglob("*"))
+    _finish(tmp.rglob("*"))
     old = None
     if path.exists():
         old = _tmp_sibling(path, "old")

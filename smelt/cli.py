@@ -59,6 +59,8 @@ COMMANDS = {c.name: c for c in [
             "its MTP modules)", STAGES),
     Command("train", "train.launch", "start a training stage (KD recovery, QAT, MTP) under torchrun after "
             "checking its config", STAGES),
+    Command("export", "train.export", "a saved training step (DCP checkpoint) -> the artifact the live export "
+            "writes, without the launcher or a GPU", STAGES),
     Command("ptq", "qat.ptq", "RTN or GPTQ weight quantization into a quantized artifact", STAGES),
     Command("qreconstruct", "qat.reconstruct", "fit a quantized artifact's MLPs on their grid (scales learned) "
             "to the teacher's blocks", STAGES),

@@ -44,6 +44,24 @@ def launch_log(proc, tail: int = 3000) -> str:
     return "\n".join(parts)
 
 
+def check_offline_export(checkpoint: Path, live: Path, out: Path) -> None:
+    """`python -m train.export` of the checkpoint step the live export was made at writes the same artifact:
+    every file byte for byte, the manifest but for its creation time."""
+    import json
+
+    from train.export import export_checkpoint
+
+    export_checkpoint(checkpoint, out)
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in live.iterdir())
+    for p in live.iterdir():
+        if p.name == "manifest.json":
+            a, b = (json.loads(f.read_text()) for f in (p, out / p.name))
+            a.pop("created"), b.pop("created")
+            assert a == b
+        else:
+            assert p.read_bytes() == (out / p.name).read_bytes(), p.name
+
+
 def tiny_config(name: str = "debug", **kw) -> LlamaConfig:
     base = FLAVORS[name].to_dict()
     base.update(vocab_size=BYTE_VOCAB, bos_id=1, eos_id=2)

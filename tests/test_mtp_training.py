@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, launch_log, make_byte_tokenizer, make_distill_dirs
+from conftest import ROOT, check_offline_export, launch_log, make_byte_tokenizer, make_distill_dirs
 from test_trainer import LAUNCH, _env, distill_straight
 
 from core.masks import load_masks
@@ -54,6 +54,7 @@ def test_mtp_trains_on_the_frozen_model_exports_its_file_and_drafts_exactly(dirs
                          str(dirs / "mtp"), "--export_dir", str(out), "--training.steps", "12"]
     proc = subprocess.run(cmd, check=False, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, launch_log(proc)
+    check_offline_export(dirs / "mtp" / "checkpoint" / "step-12", out, dirs / "mtp-offline")
     main, trained = load_hf(src), load_hf(out)
     assert all(torch.equal(a, b) for a, b in zip(main.state_dict().values(), trained.state_dict().values()))
     assert set(load_masks(out)) == set(load_masks(src))  # the frozen main model's masks travel on

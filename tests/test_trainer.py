@@ -20,7 +20,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, launch_log, make_byte_tokenizer, make_distill_dirs, tiny_config
+from conftest import (
+    ROOT,
+    check_offline_export,
+    launch_log,
+    make_byte_tokenizer,
+    make_distill_dirs,
+    tiny_config,
+)
 from safetensors.torch import load_file
 
 from core.masks import load_masks, save_masks
@@ -124,6 +131,7 @@ def test_distillation_recovers_and_keeps_masks(dirs, straight_run):
     ckpt = dirs / "straight" / "checkpoint" / "step-8"
     meta = (ckpt / ".metadata").read_bytes()
     assert b"teacher" not in meta and b"inner.layers.0.feed_forward.w1.weight" in meta
+    check_offline_export(ckpt, out, dirs / "straight-offline")  # the same artifact from the checkpoint
 
 
 def kill_after_checkpoint(dirs: Path, name: str, *extra: str, seed: int = 0) -> None:
@@ -345,6 +353,8 @@ def test_qat_through_the_trainer_keeps_2of4_and_exports_on_grid(dirs, tmp_path, 
                            "--training.mixed_precision_param", dtype]
     proc = subprocess.run(cmd, check=False, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, launch_log(proc)
+    steps = max(int(p.name.split("-")[1]) for p in (tmp_path / "run" / "checkpoint").iterdir())
+    check_offline_export(tmp_path / "run" / "checkpoint" / f"step-{steps}", tmp_path / "out", tmp_path / "offline")
     out = load_hf(tmp_path / "out")
     qparams, spec = read_qparams(tmp_path / "out")
     assert spec.group_size == 32 and len(qparams) == len(masks)

@@ -42,16 +42,17 @@ from torchtitan.trainer import Trainer
 from core.device import peak_rss_gib
 from core.dtensor import full, local
 from core.errors import SmeltError
+from core.files import atomic_write_text
 from core.masks import MASKS_FILE, load_dense_rows, load_masks
 from core.runlock import RunLock
 from core.teacher_topk import TopKCache
 from distill.losses import hidden_divergence
-from models.hf_io import config_from_hf, load_into, load_tokenizer, read_hf_config
+from models.hf_io import config_from_hf, load_into, read_hf_config
 from models.llama import Transformer
 from models.teacher import resolve_teacher
 from train.checks import check_teacher_cache, hidden_pairs
-from train.export import empty_cpu_copy, gather, write_artifact
-from train.masks import MaskLearningConfig, MaskSet, changed_groups
+from train.export import EXPORT_INFO, EXPORT_INFO_FORMAT, empty_cpu_copy, gather, write_from_info
+from train.masks import MaskLearningConfig, MaskSet
 from train.on_policy import OnPolicyConfig, student_windows
 from train.titan import fsdp_mesh, pop_teacher_topk, shard_model
 
@@ -414,6 +415,9 @@ class SmeltTrainer(Trainer):
             return self._save_checkpoint(step, last_step=last_step)
         self._timeouts(self.config.export_timeout_seconds)
         self._save_checkpoint(step, last_step=last_step)
+        saved = Path(self.checkpointer._create_checkpoint_id(step))
+        if int(os.environ.get("RANK", "0")) == 0 and saved.is_dir():  # what `python -m train.export` reads
+            atomic_write_text(saved / EXPORT_INFO, json.dumps(self.export_info(), indent=1) + "\n")
         self._timeouts(self.config.comm.train_timeout_seconds)
 
     def train(self):
@@ -426,13 +430,25 @@ class SmeltTrainer(Trainer):
         if self.config.export_dir and not self.stopped_by_signal and self.step == self.config.training.steps:
             self.export(Path(self.config.export_dir))
 
-    def _mask_changes(self, masks: dict[str, torch.Tensor]) -> dict:
-        """Learned masks against the artifact's: {changed_groups, groups} ({} for fixed masks)."""
-        if not self.masks.learns:
-            return {}
-        start, m = load_masks(self.config.student), self.masks.learning.nm.m
-        return {"changed_groups": int(sum(changed_groups(start[n], masks[n], m) for n in masks)),
-                "groups": sum(masks[n].numel() // m for n in masks)}
+    def export_info(self) -> dict:
+        """What turns this run's student into an artifact (train.export): the model's build, the artifact it
+        started from, the tokenizer, the stage and the manifest's settings at this step. Rank 0 writes it
+        beside every checkpoint, so any saved step can be exported offline."""
+        cfg, spec = self.config, self.config.model_spec.model
+        heads = self.model_parts[0].mtp
+        tok_src = cfg.student if (Path(cfg.student) / "tokenizer.json").is_file() else self.teacher_dir
+        return {"format": EXPORT_INFO_FORMAT, "student": cfg.student, "tokenizer": str(tok_src or ""),
+                "stage": ("mtp" if heads is not None else "qat" if spec.fake_quant.enable
+                          else "distill" if self.distills else "train"),
+                "model": {"arch": spec.arch, "fake_quant": _plain(spec.fake_quant), "mtp": _plain(spec.mtp)},
+                "mask_pattern_m": self.masks.learning.nm.m if self.masks.learns else 0,
+                "settings": {
+                    "student": cfg.student, "teacher": str(self.teacher_dir or getattr(self, "teacher_source", "")),
+                    "loss": _plain(cfg.loss), "steps": self.step, "tokens_seen": int(self.ntokens_seen),
+                    "local_batch_size": cfg.training.local_batch_size, "seq_len": cfg.training.seq_len,
+                    "dp_shard": self.parallel_dims.dp_shard, "optimizer": _plain(cfg.optimizer),
+                    "fake_quant": _plain(spec.fake_quant), "mtp": _plain(spec.mtp), "data": _plain(cfg.dataloader),
+                    "mask_learning": _plain(cfg.mask_learning), "on_policy": _plain(cfg.on_policy)}}
 
     @torch.no_grad()
     def export(self, out_dir: Path) -> None:
@@ -441,27 +457,10 @@ class SmeltTrainer(Trainer):
         A QAT student is written as its fake-quantized weights (so the artifact's logits are the
         quantized model's) plus qparams.safetensors with the scales the release packs.
         """
-        heads = self.model_parts[0].mtp
-        g = gather(self.student, self.masks.pairs, heads)
-        if g is None:
-            return
-        cfg = self.config
-        tok_src = cfg.student if (Path(cfg.student) / "tokenizer.json").is_file() else self.teacher_dir
-        stage = ("mtp" if heads is not None else "qat" if g.frozen
-                 else "distill" if self.distills else "train")
-        write_artifact(g, out_dir, student=cfg.student, tokenizer=load_tokenizer(tok_src) if tok_src else None,
-                       stage=stage, fuse_layers=None if heads is None else heads.fuse_layers,
-                       joint_mtp=cfg.model_spec.model.mtp.joint, settings={
-            "student": cfg.student, "teacher": str(self.teacher_dir or getattr(self, "teacher_source", "")),
-            "loss": _plain(cfg.loss), "steps": self.step, "tokens_seen": int(self.ntokens_seen),
-            "local_batch_size": cfg.training.local_batch_size, "seq_len": cfg.training.seq_len,
-            "dp_shard": self.parallel_dims.dp_shard, "optimizer": _plain(cfg.optimizer),
-            "fake_quant": _plain(cfg.model_spec.model.fake_quant), "mtp": _plain(cfg.model_spec.model.mtp),
-            "data": _plain(cfg.dataloader),
-            "mask_learning": {**_plain(cfg.mask_learning), **self._mask_changes(g.masks)},
-            "on_policy": _plain(cfg.on_policy),
-        })
-        logger.info("exported the student to %s", out_dir)
+        g = gather(self.student, self.masks.pairs, self.model_parts[0].mtp)
+        if g is not None:
+            write_from_info(g, out_dir, self.export_info())
+            logger.info("exported the student to %s", out_dir)
 
 
 def _plain(cfg) -> dict:
