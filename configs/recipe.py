@@ -3,6 +3,7 @@ checked once, then planned (`--dry-run`) or run stage by stage, each stage as ch
 
     python -m configs.recipe configs/recipes/smollm2-cpu.toml --dry-run [--json plan.json]
     python -m configs.recipe RECIPE.toml --list-stages          # one stage name a line (one Slurm job each)
+    python -m configs.recipe RECIPE.toml --training-stages      # those that train: the others need one node
     python -m configs.recipe RECIPE.toml [--stage NAME] [--set KEY=VALUE ...]   # run every stage, or one
 
 configs/recipes/smollm2-cpu.toml is the commented example of the format. Relative paths are relative to the
@@ -254,6 +255,8 @@ def main(argv: list[str] | None = None) -> int | None:
     ap.add_argument("--dry-run", action="store_true", help="check and print the plan; run and write nothing")
     ap.add_argument("--json", help="with --dry-run: also write the plan as JSON to this file")
     ap.add_argument("--list-stages", action="store_true", help="print the stage names, one a line")
+    ap.add_argument("--training-stages", action="store_true",
+                    help="print the names of the stages that train (on every node), one a line")
     ap.add_argument("--stage", help="run (or plan) only this stage")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="change a value of the recipe, e.g. stages.recover.steps=2 (repeatable)")
@@ -267,6 +270,9 @@ def main(argv: list[str] | None = None) -> int | None:
         raise SmeltError(f"--stage {args.stage!r} is not a stage of {args.recipe} ({', '.join(names)})")
     if args.list_stages:
         print("\n".join(names))
+        return None
+    if args.training_stages:
+        print("\n".join(st.name for st in recipe.stages if st.kind in TRAINING))
         return None
     if args.dry_run:
         shape = find_shape(recipe.teacher, recipe.teacher_config, args.teacher_config)

@@ -63,6 +63,10 @@ else
   done <<<"$listing"
 fi
 [ "${#stages[@]}" -gt 0 ] || smelt_die "recipe $recipe has no stages"
+# Only training stages run on every node; the others (pruning, PTQ, evaluation, release) run in the batch shell
+# of the first node, so they are submitted on one node (after the options given here, which they override).
+training=$("$SMELT_PYTHON" -m configs.recipe "$recipe" "${sets[@]}" --training-stages) \
+  || smelt_die "python -m configs.recipe $recipe --training-stages failed"
 for stage in "${stages[@]}"; do
   [[ $stage =~ ^[A-Za-z0-9_.-]+$ ]] || smelt_die "stage name '$stage': only letters, digits, '_', '.', '-'"
 done
@@ -73,8 +77,11 @@ prev=$after
 for stage in "${stages[@]}"; do
   dep=()
   [ -z "$prev" ] || dep=(--dependency="afterok:$prev" --kill-on-invalid-dep=yes)
+  one=()
+  grep -qxF -- "$stage" <<<"$training" || one=(--nodes=1)
   out=$(sbatch --parsable --job-name="smelt-$name-$stage" --output="$log_dir/%x-%j.out" "${dep[@]}" \
-    "${sbatch_opts[@]}" slurm/stage.sbatch "$recipe" "$stage" "${sets[@]}") || smelt_die "sbatch failed for stage $stage"
+    "${sbatch_opts[@]}" "${one[@]}" slurm/stage.sbatch "$recipe" "$stage" "${sets[@]}") \
+    || smelt_die "sbatch failed for stage $stage"
   id=${out%%;*}  # --parsable: JOBID[;CLUSTER]
   [[ $id =~ ^[0-9]+$ ]] || smelt_die "sbatch answered '$out' for stage $stage, not a job id"
   echo "$stage: job $id${prev:+ (after $prev)}"

@@ -234,6 +234,8 @@ def test_list_stages(capsys):
     assert code == 0
     assert out.splitlines() == ["teacher", "heads", "prune", "reconstruct", "recover", "quantize", "qreconstruct", "qat",
                                 "release", "verify", "report"]
+    code, out, _ = _cli(capsys, RECIPES / "smollm2-cpu.toml", "--training-stages")  # slurm/chain.sh: all nodes
+    assert code == 0 and out.splitlines() == ["recover", "qat"]
 
 
 BAD = [

@@ -254,6 +254,9 @@ RECIPE_STUB = r'''
 variables, then runs its "training" as the recipe must: SMELT_LAUNCH_PREFIX + the command, here a waiter."""
 import json, os, shlex, subprocess, sys
 out = os.environ["STUB_OUT"]
+if "--training-stages" in sys.argv:
+    print("recover")
+    sys.exit(0)
 if "--list-stages" in sys.argv:
     if sys.argv[1] == "broken":
         sys.exit("error: no such recipe")
@@ -339,7 +342,7 @@ def test_chain_submits_one_job_per_stage_after_the_previous(tmp_path, recipe_ven
     recipe = tmp_path / "recipes" / "smollm2-gpu.toml"  # given relative to the caller's directory
     recipe.parent.mkdir()
     recipe.write_text("# the stub does not read it\n")
-    proc = chain("--time=01:00:00", "recipes/smollm2-gpu.toml", "prune", "recover", "quantize")
+    proc = chain("--time=01:00:00", "--nodes=2", "recipes/smollm2-gpu.toml", "prune", "recover", "quantize")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["prune: job 1000", "recover: job 1001 (after 1000)",
                                         "quantize: job 1002 (after 1001)"]
@@ -353,6 +356,8 @@ def test_chain_submits_one_job_per_stage_after_the_previous(tmp_path, recipe_ven
         assert j["script"] == "slurm/stage.sbatch" and j["cwd"] == str(ROOT)
         assert j["output"] == f"{tmp_path}/logs/%x-%j.out" and ["--time", "01:00:00"] in j["options"]
         assert (["--kill-on-invalid-dep", "yes"] in j["options"]) == bool(j["dependency"])
+    # only the training stage takes the two nodes asked for; the others run on the first node alone
+    assert [[v for k, v in j["options"] if k == "--nodes"][-1] for j in submitted] == ["1", "2", "1"]
 
     # No stages given: the recipe lists them (blank lines skipped); --after continues an existing chain;
     # --set goes to the listing and to every stage.
