@@ -10,8 +10,9 @@ Per (layer, M, path): the median time of `triton.testing.do_bench`, effective GB
 activations in and out / time), TFLOP/s, the speed-up over cuBLAS bf16 measured in the same run, the max
 error against the fp32 product of the dequantized weight, and — beside it — kernels.inspect's model estimate
 of the same speed-up and the ratio measured / model. Decode: greedy tokens/s of a random-weight model of each
-shape with every block Linear on one format (KV cache, batch 1, eager; attention and norms in torch), and
-the time of all its Linears for one token replayed as a CUDA graph. A GPU is required: the CPU runs the
+shape with every block Linear on one format (KV cache, batch 1; attention and norms in torch), eager and with
+the whole step captured once as a CUDA graph on a static KV cache (models.llama.StaticKVCache), and the time
+of all its Linears for one token replayed as a CUDA graph. A GPU is required: the CPU runs the
 kernels in Triton's interpreter, where time means nothing.
 """
 from __future__ import annotations
@@ -178,8 +179,34 @@ def random_model(name: str, fmt: str, gen: torch.Generator):
 
 
 @torch.no_grad()
+def graph_decode(model, prompt: torch.Tensor, tokens: int) -> float:
+    """Greedy decode tokens/s with the whole step (the model on a StaticKVCache, and the argmax written back
+    as the next input) captured once as a CUDA graph and replayed per token."""
+    n = prompt.shape[1]
+    cache = model.new_cache(1, n + tokens + 1, static=True)
+    nxt = model(prompt, cache)[:, -1:].argmax(-1)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and tune every kernel outside the graph, then roll the cache back
+        model(nxt, cache)
+        for c in cache.values():
+            c.truncate(n)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # reads nxt, then overwrites it with the step's argmax
+        nxt.copy_(model(nxt, cache)[:, -1:].argmax(-1))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        graph.replay()
+    torch.cuda.synchronize()
+    return tokens / (time.perf_counter() - t0)
+
+
+@torch.no_grad()
 def decode_case(name: str, fmt: str, tokens: int, gen: torch.Generator) -> dict:
-    """Greedy decode tokens/s (eager, KV cache) and one token's Linears replayed as a CUDA graph."""
+    """Greedy decode tokens/s (eager, KV cache; and the whole step as a CUDA graph on a static cache) and one
+    token's Linears replayed as a CUDA graph."""
     model = random_model(name, fmt, gen)
     prompt = torch.randint(0, SHAPES[name][5], (1, 16), generator=gen, device="cuda")
     cache = model.new_cache(1, prompt.shape[1] + tokens + 1)
@@ -190,6 +217,7 @@ def decode_case(name: str, fmt: str, tokens: int, gen: torch.Generator) -> dict:
         nxt = model(nxt, cache)[:, -1:].argmax(-1)
     torch.cuda.synchronize()
     eager = tokens / (time.perf_counter() - t0)
+    graphed = graph_decode(model, prompt, tokens)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) or hasattr(m, "_paths")]
     linears = [m for m in linears if m is not model.output]
     xs = [torch.randn(1, m.in_features, device="cuda", dtype=torch.bfloat16) for m in linears]
@@ -205,7 +233,7 @@ def decode_case(name: str, fmt: str, tokens: int, gen: torch.Generator) -> dict:
     del model, cache
     torch.cuda.empty_cache()
     return {"model": name, "format": fmt, "tokens": tokens, "eager_tokens_per_s": eager,
-            "linears_graph_ms_per_token": linear_ms, "linears": len(linears)}
+            "graph_tokens_per_s": graphed, "linears_graph_ms_per_token": linear_ms, "linears": len(linears)}
 
 
 def _ints(value: str, what: str) -> list[int]:
@@ -258,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             d = decode_case(model, fmt, args.decode_tokens, gen)
             res["decode"].append(d)
             print(f"decode {model} {fmt}: {d['eager_tokens_per_s']:.1f} tok/s eager, "
+                  f"{d['graph_tokens_per_s']:.1f} tok/s as a CUDA graph, "
                   f"linears {d['linears_graph_ms_per_token']:.3f} ms/token in a CUDA graph", flush=True)
     res["wall_s"] = round(time.time() - t0, 1)
     out = args.out or f"results/bench/kernels/{gpu.replace(' ', '-')}.json"

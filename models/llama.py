@@ -179,6 +179,8 @@ class KVCache:
     rejected draft tokens.
     """
 
+    static = False  # pos is a Python int (StaticKVCache: a device tensor)
+
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_len: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         self.k = torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
@@ -220,6 +222,38 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class StaticKVCache(KVCache):
+    """A KVCache whose every call has the same shapes and no host synchronisation, so a decode step can be
+    captured once as a CUDA graph and replayed: `pos` is a 0-d device tensor advanced in place, the L new
+    keys/values are written at [pos, pos + L) by index, and attention reads all max_len positions under a
+    mask (causal, and the sliding window). Overflow is not checked (it would need the host to read pos): the
+    caller sizes max_len."""
+    static = True
+
+    def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        super().__init__(batch, n_kv_heads, head_dim, max_len, dtype, device)
+        self.pos = torch.zeros((), dtype=torch.long, device=device)
+        self._keys = torch.arange(max_len, device=device)
+
+    def positions(self, new: int) -> torch.Tensor:
+        """The absolute positions [pos, pos + new) of the next call's tokens, on the device."""
+        return self.pos + self._keys[:new]
+
+    def truncate(self, n: int) -> None:
+        self.pos.fill_(n)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
+        at = self.positions(k.shape[2])
+        self.k.index_copy_(2, at, k)
+        self.v.index_copy_(2, at, v)
+        mask = self._keys[None, :] <= at[:, None]  # [new, max_len]: key j visible from position p when j <= p
+        if window is not None:
+            mask &= self._keys[None, :] > at[:, None] - window
+        self.pos += k.shape[2]
+        return F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask, enable_gqa=q.shape[1] != self.k.shape[1])
 
 
 class TransformerBlock(nn.Module):
@@ -276,13 +310,15 @@ class Transformer(nn.Module):
         dev = device if device is not None else self.tok_embeddings.weight.device
         self.rope_cos, self.rope_sin = cos.to(dev), sin.to(dev)
 
-    def new_cache(self, batch: int, max_len: int | None = None) -> dict[str, KVCache]:
-        """Empty per-layer KV caches for incremental decoding (see KVCache)."""
+    def new_cache(self, batch: int, max_len: int | None = None, static: bool = False) -> dict[str, KVCache]:
+        """Empty per-layer KV caches for incremental decoding (see KVCache; static: StaticKVCache, for a decode
+        step captured as a CUDA graph)."""
         max_len = self.cfg.max_seq_len if max_len is None else max_len
         if not 1 <= max_len <= self.cfg.max_seq_len:
             raise ValueError(f"cache max_len={max_len} must be in [1, max_seq_len={self.cfg.max_seq_len}]")
         w = self.tok_embeddings.weight  # activations (and so keys/values) are in its dtype; Linears may be packed
-        return {key: KVCache(batch, self.cfg.n_kv_heads, self.cfg.head_dim, max_len, w.dtype, w.device)
+        kind = StaticKVCache if static else KVCache
+        return {key: kind(batch, self.cfg.n_kv_heads, self.cfg.head_dim, max_len, w.dtype, w.device)
                 for key in self.layers}
 
     def hidden_states(self, tokens: torch.Tensor, cache: dict[str, KVCache] | None = None) -> torch.Tensor:
@@ -295,11 +331,16 @@ class Transformer(nn.Module):
                                taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """hidden_states, and the residual stream after each block whose index (0-based) is in `taps`, in
         the order of `taps` (what fused MTP modules read next to the final hidden state)."""
-        start = next(iter(cache.values())).pos if cache else 0
-        end = start + tokens.shape[1]
-        if end > self.rope_cos.shape[0]:
-            raise ValueError(f"sequence length {end} exceeds max_seq_len={self.rope_cos.shape[0]}")
-        cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
+        first = next(iter(cache.values())) if cache else None
+        if first is not None and first.static:  # positions on the device: no host sync, graph-safe
+            at = first.positions(tokens.shape[1])
+            cos, sin = self.rope_cos.index_select(0, at), self.rope_sin.index_select(0, at)
+        else:
+            start = first.pos if first is not None else 0
+            end = start + tokens.shape[1]
+            if end > self.rope_cos.shape[0]:
+                raise ValueError(f"sequence length {end} exceeds max_seq_len={self.rope_cos.shape[0]}")
+            cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
         h = self.tok_embeddings(tokens)
         recompute = self.recompute_blocks and cache is None and torch.is_grad_enabled()
         kept = {}

@@ -90,3 +90,21 @@ def test_bad_sampling_arguments_are_named_and_train_mode_is_restored():
     with pytest.raises(ValueError, match="empty"):
         sample(model, prompt, 2, first_allowed=torch.zeros(260, dtype=torch.bool))
     assert model.training
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_the_static_cache_decodes_as_the_dynamic_one_with_device_positions(window):
+    """StaticKVCache (a CUDA-graph-safe decode step: positions on the device, the whole buffer read under a
+    mask) gives the dynamic cache's logits for a prefill, single tokens after it, a rollback and a chunk."""
+    model = build_model(tiny_config(sliding_window=window), seed=3).eval()
+    tokens = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(1))
+    dyn, sta = model.new_cache(2, 16), model.new_cache(2, 16, static=True)
+    assert all(c.static and c.pos.ndim == 0 for c in sta.values())
+    with torch.no_grad():
+        steps = [tokens[:, :5], tokens[:, 5:6], tokens[:, 6:7], tokens[:, 7:8]]
+        for chunk in steps:
+            torch.testing.assert_close(model(chunk, sta), model(chunk, dyn), rtol=1e-5, atol=1e-5)
+        for cache in (*dyn.values(), *sta.values()):
+            cache.truncate(6)  # two drafted tokens rejected
+        torch.testing.assert_close(model(tokens[:, 6:10], sta), model(tokens[:, 6:10], dyn), rtol=1e-5, atol=1e-5)
+        assert int(next(iter(sta.values())).pos) == next(iter(dyn.values())).pos == 10
