@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The GPU path in a few minutes on one GPU: NCCL process group, SmolLM2 recovery in bf16 (fp32 masters and
+# The GPU path in a few minutes. One GPU: NCCL process group, SmolLM2 recovery in bf16 (fp32 masters and
 # reductions), a checkpoint, a resume, tokens/s and peak memory; then a 2:4 + W4 release run through the
-# Triton kernels in bf16 (kernels.check) and the kernels' speed (kernels.bench). Never needed by the tests.
+# Triton kernels in bf16 (kernels.check) and the kernels' speed (kernels.bench). On a node with 2 or more GPUs,
+# then FSDP over all of them (scripts/fsdp_smoke.sh): recover, MTP and QAT a few steps each with the export,
+# a run killed after a checkpoint and resumed against an uninterrupted one, the QAT release verified. Never
+# needed by the tests.
 #
 #   scripts/gpu_smoke.sh [OUT_DIR]     # default results/bench/gpu-smoke; commit OUT_DIR/summary.txt with the GPU named
 #
@@ -58,3 +61,9 @@ $py -m prune.bench --method sparsegpt --pattern 2:4 --calib-forward bfloat16 --c
 $py -m qat.ptq --method gptq --group-size 64 --act-order --calib-forward bfloat16 --calib-hessian bfloat16 \
   --calib-true-sequential --out "$run/gptq-bfloat16-ts" | tee -a "$out/summary.txt"
 cp "$run/gptq-bfloat16-ts/manifest.json" "$out/gptq-bfloat16-ts.manifest.json"
+
+gpus="$(nvidia-smi -L | wc -l)"
+if [ "$gpus" -ge 2 ]; then
+  echo "== FSDP over $gpus GPUs"
+  bash scripts/fsdp_smoke.sh "$gpus" "$run/pruned" "$out" | tee -a "$out/summary.txt"
+fi

@@ -35,7 +35,7 @@ ALLOWED = {
     "train": FLOORS | {"distill", "qat", "train"},
     "smelt": PACKAGES,
 }
-USER_SCRIPTS = ["constraints.txt", "env.sh", "gpu_smoke.sh", "recipe.sh", "test.sh"]  # what users run
+USER_SCRIPTS = ["constraints.txt", "env.sh", "fsdp_smoke.sh", "gpu_smoke.sh", "recipe.sh", "test.sh"]  # what users run
 
 
 def project_imports(path: Path) -> list[tuple[int, str]]:

@@ -323,10 +323,10 @@ def test_bad_trainer_config_is_refused(dirs, tmp_path):
 def test_an_export_longer_than_the_training_timeout_finishes_on_two_ranks(dirs):
     """Rank 0's write outlasts comm.train_timeout_seconds while rank 1 waits for it (the stand-in sleeps in
     rank 0's write_artifact): the end of a stage runs under export_timeout_seconds, so nobody aborts."""
-    env = dict(_env(), PYTHONPATH=f"{ROOT}:{ROOT / 'tests' / 'slow_export'}", SMELT_TEST_EXPORT_DELAY="12")
+    env = dict(_env(), PYTHONPATH=f"{ROOT}:{ROOT / 'tests' / 'slow_export'}", SMELT_TEST_EXPORT_DELAY="25")
     cmd = LAUNCH[:-1] + ["debug_distill", "--student", str(dirs / "student"), "--teacher", str(dirs / "teacher"),
                          "--dump_folder", str(dirs / "slow"), "--export_dir", str(dirs / "slow-out"),
-                         "--training.steps", "2", "--comm.train_timeout_seconds", "5"]
+                         "--training.steps", "2", "--comm.train_timeout_seconds", "10"]
     proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, launch_log(proc)
     assert (dirs / "slow-out" / "model.safetensors").is_file()
