@@ -72,15 +72,20 @@ def canonical_safetensors(path: Path) -> None:
 
 
 def _finish(paths) -> None:
-    """Written files as a plain open() would leave them: the umask's mode (some writers, safetensors, create
-    theirs 0600, and a rename keeps it, so a team sharing the directory could not read the weights), and
-    safetensors headers in one byte order."""
+    """Written files with the mode a plain open() gives them under the umask: some writers (safetensors)
+    create theirs 0600, and a rename keeps it, so a team sharing the directory could not read the weights."""
     mode = new_file_mode()
     for p in paths:
         if p.is_file() and not p.is_symlink():
             os.chmod(p, mode)
-            if p.suffix == ".safetensors":
-                canonical_safetensors(p)
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None
+                     ) -> None:
+    """safetensors' save_file with the header in one byte order (canonical_safetensors), for files written
+    inside an atomic_dir: the same tensors give the same bytes, and so the same recorded hash."""
+    save_file(tensors, str(path), metadata=metadata)
+    canonical_safetensors(Path(path))
 
 
 @contextlib.contextmanager
@@ -94,9 +99,9 @@ def atomic_path(path: str | Path):
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _finish([tmp])
-    if path.suffix == ".safetensors":  # the temporary name has another suffix
+    if path.suffix == ".safetensors":  # before anything hashes it (the temporary name has another suffix)
         canonical_safetensors(tmp)
+    _finish([tmp])
     os.replace(tmp, path)
 
 

@@ -34,7 +34,7 @@ class StreamedSafetensors:
         self.layout = [(n, dt, tuple(int(s) for s in shape)) for n, dt, shape in layout]
         if len({n for n, _, _ in self.layout}) != len(self.layout):
             raise SmeltError(f"{self.path.name}: a tensor name appears twice in the layout")
-        header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+        header: dict = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}  # core.files order
         offset = 0
         self._sizes = []
         for name, dtype, shape in self.layout:

@@ -18,16 +18,15 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from core.artifact import read_manifest
 from core.data import bucket_prompts
 from core.errors import ArgumentParser, SmeltError, run_cli
-from core.files import atomic_dir, read_safetensors, sha256_file
+from core.files import atomic_dir, read_safetensors, save_safetensors, sha256_file
 from core.hf_names import to_hf_name
 from core.masks import DENSE_ROWS, MASKS_FILE
-from core.patterns import NMPattern
 from core.packing import pack_24, pack_int4, unpack_24_positions
+from core.patterns import NMPattern
 from core.release_layout import (COMPRESSED_LAYOUT, RELEASE_MANIFEST, SPARSITY_FILE, SPARSITY_JSON, SPARSITY_LAYOUT,
                                  STORAGES, pack_mask, read_release_linears, row_ranges, sparsity_info)
 from models.hf_io import load_hf, load_tokenizer, read_hf_config, read_hf_tensors
@@ -209,8 +208,8 @@ def _write_sparsity(tmp: Path, modules: dict[str, tuple], storage: str) -> None:
     """sparsity.json (+ sparsity.safetensors keep-bits in the mask storage); modules: name -> (shape,
     density, dense_rows or None, keep-mask)."""
     if storage == "mask":
-        save_file({f"{k}.keep_bits": pack_mask(m[3]) for k, m in modules.items()}, str(tmp / SPARSITY_FILE),
-                  metadata={"format": "smelt-sparsity/1"})
+        save_safetensors({f"{k}.keep_bits": pack_mask(m[3]) for k, m in modules.items()}, tmp / SPARSITY_FILE,
+                         metadata={"format": "smelt-sparsity/1"})
     (tmp / SPARSITY_JSON).write_text(json.dumps({
         "format": "smelt-sparsity/1", "pattern": str(SPARSE_24), "storage": storage,
         "file": SPARSITY_FILE if storage == "mask" else None,
@@ -226,7 +225,7 @@ def _cast_safetensors(path: Path, dtype: torch.dtype) -> None:
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a dict
     if all(v.dtype == dtype for v in tensors.values() if v.is_floating_point()):
         return  # already in it: the file stays byte for byte as trained
-    save_file({k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}, str(path), metadata=meta)
+    save_safetensors({k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}, path, metadata=meta)
 
 
 def build_release(artifact_dir: str | Path, out_dir: str | Path, overwrite: bool = False,
@@ -311,7 +310,7 @@ def build_release(artifact_dir: str | Path, out_dir: str | Path, overwrite: bool
                 "source": str(art.resolve()),
                 "mtp": mtp_record(art, serve, set(qparams))}
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if sparse:
             _write_sparsity(tmp, {k: (list(m.shape), round(m.float().mean().item(), 6), dense_rows.get(k), m)
@@ -355,7 +354,7 @@ def expand_release(rel_dir: str | Path, out_dir: str | Path, overwrite: bool = F
         modules[name] = (list(lin.shape), info["modules"][name]["density"], lin.dense_rows, keep)
     manifest = json.loads((rel / RELEASE_MANIFEST).read_text())
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         _write_sparsity(tmp, modules, "mask")
         for p in rel.iterdir():
             if p.is_file() and p.name not in ("model.safetensors", SPARSITY_JSON, SPARSITY_FILE, RELEASE_MANIFEST):
