@@ -178,6 +178,20 @@ def test_llama_8b_plan_shapes_parallelism_and_memory(capsys, tmp_path, monkeypat
     assert m["params"] == pytest.approx(8.03e9, rel=0.01)
     assert plan["parallelism"]["dp"] == 16 and "2 node(s) x 8 GPU(s) = data-parallel 16" in out
     stages = {s["name"]: s for s in plan["stages"]}
+    # what this project measured, at 8B: attention dense, the protected heads' rows dense, W4 on the release's
+    # g64 grid, the MTP module re-aligned on the QAT'd model's own text; the reconstructions left out, and why
+    assert list(stages) == ["teacher", "heads", "prune", "recover", "mtp", "quantize", "qat", "qat-text", "realign",
+                            "release", "verify", "report"]
+    prune = stages["prune"]["commands"][0]
+    assert "--skip output,tok_embeddings,attention.wq,attention.wk,attention.wv,attention.wo" in prune
+    assert "--protect runs/llama3.1-8b/heads.json" in prune
+    assert "--group-size 64" in stages["quantize"]["commands"][0]
+    realign = stages["realign"]["commands"][0]
+    assert "--config h100_mtp_realign --student runs/llama3.1-8b/qat-2of4 " in realign
+    assert realign.endswith("--dataloader.source runs/llama3.1-8b/qat-text/text.jsonl")
+    assert "--artifact runs/llama3.1-8b/qat-2of4-mtp " in stages["release"]["commands"][0]
+    header = (RECIPES / "llama3.1-8b-h100.toml").read_text().split("\nname =")[0]
+    assert "Left out at 8B" in header and "`reconstruct` and `qreconstruct`" in header and "The teacher:" in header
     assert "--config h100_mtp --student " in stages["mtp"]["commands"][0] and "not built" not in out
     recover = stages["recover"]["commands"][0]
     assert recover.startswith("srun --nodes=2 task.sh python -m train.launch --nproc 8 --nnodes 2 "
@@ -187,7 +201,7 @@ def test_llama_8b_plan_shapes_parallelism_and_memory(capsys, tmp_path, monkeypat
                                                  "--training.global_batch_size 64 --training.seq_len 4096 "
                                                  "--dataloader.source hf:HuggingFaceFW/fineweb-edu:sample-10BT")
     assert stages["recover"]["budget"]["activation_checkpoint"] is True
-    _check_memory(plan, ["recover", "mtp", "qat"])
+    _check_memory(plan, ["recover", "mtp", "qat", "realign"])
     assert all(s["memory_gib"]["total"] < 80 for s in plan["stages"] if "memory_gib" in s)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
 

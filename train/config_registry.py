@@ -84,11 +84,12 @@ def h100_recover() -> SmeltTrainer.Config:
 
 
 def h100_qat() -> SmeltTrainer.Config:
-    """W4 g128 symmetric QAT on H100 nodes: bf16 compute, the quantization arithmetic on fp32 weights."""
+    """W4 g64 symmetric QAT on H100 nodes (the release's grid): bf16 compute, the quantization arithmetic on
+    fp32 weights."""
     cfg = h100_recover()
     cfg.training.steps, cfg.lr_scheduler.warmup_steps = 1000, 50
     cfg.optimizer.param_groups[0].optimizer_kwargs["lr"] = 2e-5
-    cfg.model_spec.model.fake_quant = FakeQuantConfig(enable=True, bits=4, symmetric=True, group_size=128,
+    cfg.model_spec.model.fake_quant = FakeQuantConfig(enable=True, bits=4, symmetric=True, group_size=64,
                                                       scale_init="mse", learn_scale=True)
     return cfg
 
@@ -134,6 +135,18 @@ def h100_mtp() -> SmeltTrainer.Config:
                        deterministic=False))
     cfg.training.global_batch_size = 128
     cfg.dataloader.source = MIXED_CORPUS
+    cfg.optimizer.implementation = "fused"
+    return cfg
+
+
+def h100_mtp_realign() -> SmeltTrainer.Config:
+    """Re-align the MTP module on the frozen QAT'd model, on H100 nodes: KL only to that model's own
+    distribution (what verifies the drafts), lr 1e-4 with a new warm-up, on its own 256-token continuations
+    (smollm2_mtp_realign_kl's protocol)."""
+    cfg = _mtp(_config(steps=100, batch=8, seq_len=256, lr=1e-4, warmup=10, interval=50, dtype="bfloat16",
+                       deterministic=False), target="main")
+    cfg.loss.ce_weight = 0.0
+    cfg.training.global_batch_size = 128
     cfg.optimizer.implementation = "fused"
     return cfg
 
