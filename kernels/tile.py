@@ -2,8 +2,8 @@
 
 Each program owns a [BLOCK_M, BLOCK_N] output tile and a slice of K (split-K over the grid's second axis
 when the tiles alone would leave SMs idle: decode-sized M). Per K block it loads the weight rows with K
-contiguous (16-byte vector loads, every byte once), one scale per row (BLOCK_K divides the quantization
-group), rebuilds the [BLOCK_N, BLOCK_K] bf16 tile in registers and runs `tl.dot` with fp32 accumulation
+contiguous (16-byte vector loads, every byte once), one scale per row and group (BLOCK_K divides the
+quantization group, or in the small swapped tile spans two), rebuilds the [BLOCK_N, BLOCK_K] bf16 tile in registers and runs `tl.dot` with fp32 accumulation
 (wgmma on sm_90). For decode-sized M the dot is swapped, W x.T: the weight rows take the tensor core's
 64-row side and the tokens its narrow side (16, 32 or 64), so a batch of 16 does no padded multiply-adds.
 
@@ -100,7 +100,12 @@ def _weight_tile(w_ptr, meta_ptr, s_ptr, magic, rows, k0, stride_wn, stride_wk, 
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr, DTYPE: tl.constexpr):
     """The [BLOCK_N, BLOCK_K] tile of W at K offset k0 in DTYPE, from the stored tensors in storage order."""
     if QUANT:
-        s = tl.load(s_ptr + rows * stride_sn + (k0 // GROUP) * stride_sg)  # one scale per row: BLOCK_K | GROUP
+        if BLOCK_K > GROUP:  # the block spans groups: each group's scale repeated over its inputs
+            NG: tl.constexpr = BLOCK_K // GROUP
+            s = tl.load(s_ptr + rows[:, None] * stride_sn + (k0 // GROUP + tl.arange(0, NG))[None, :] * stride_sg)
+            s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, BLOCK_K))
+        else:  # one scale per row: BLOCK_K divides the group
+            s = tl.load(s_ptr + rows * stride_sn + (k0 // GROUP) * stride_sg)[:, None]
     if SPARSE:
         # a K block is [A, B] groups of 4 inputs: with int4 codes A = packed words (16 inputs, 4 groups each),
         # else A = metadata words (32 inputs, 8 groups); group b of A's metadata sits at bits 4 b (+16 for the
@@ -112,7 +117,7 @@ def _weight_tile(w_ptr, meta_ptr, s_ptr, magic, rows, k0, stride_wn, stride_wk, 
             w = tl.load(w_ptr + rows[:, None] * stride_wn + (k0 // 16 + offs_a)[None, :] * stride_wk)
             meta = tl.load(meta_ptr + rows[:, None] * stride_mn + (k0 // 32 + tl.arange(0, A // 2))[None, :] * stride_mk)
             meta = tl.reshape(tl.join(meta, meta >> 16), (BLOCK_N, A))  # packed word a: half a % 2 of word a // 2
-            return _dequant(_dense24_codes(w, meta, BLOCK_N, BLOCK_K), s[:, None], FP32, DTYPE)
+            return _dequant(_dense24_codes(w, meta, BLOCK_N, BLOCK_K), s, FP32, DTYPE)
         else:
             meta = tl.load(meta_ptr + rows[:, None] * stride_mn + (k0 // 32 + offs_a)[None, :] * stride_mk)
             nib = meta[:, :, None] >> (4 * tl.arange(0, B))[None, None, :]
@@ -131,7 +136,7 @@ def _weight_tile(w_ptr, meta_ptr, s_ptr, magic, rows, k0, stride_wn, stride_wk, 
                 return _place24(v0, v1, nib, BLOCK_N, BLOCK_K)
     if QUANT:
         w = tl.load(w_ptr + rows[:, None] * stride_wn + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :] * stride_wk)
-        return _dequant(_w4_codes(w, magic, BLOCK_N, BLOCK_K), s[:, None], FP32, DTYPE)
+        return _dequant(_w4_codes(w, magic, BLOCK_N, BLOCK_K), s, FP32, DTYPE)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     return tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :] * stride_wk).to(DTYPE)
 
@@ -191,14 +196,16 @@ def split_sum_kernel(p_ptr, y_ptr, SPLIT, MN, BLOCK: tl.constexpr):
 
 SUM_BLOCK = 1024
 KMAX = {"bf16": 64, "w4": 64, "24w4": 64, "24": 64}
+SMALL_KMAX = 128  # W4 and 2:4 + W4 in the 64-row swapped tile
 KMIN = {"bf16": 16, "w4": 8, "24w4": 32, "24": 32}  # a dot's K; one packed word; one metadata word
 
 
-def block_k(fmt: str, group: int, kmax: int | None = None) -> int:
+def block_k(fmt: str, group: int, kmax: int | None = None, k: int | None = None) -> int:
     """The K block: the largest power of two <= kmax (default KMAX) that divides `group` (one scale per block;
-    without scales pass K: no tail); 0 if none reaches KMIN."""
+    without scales pass K: no tail), or with `k` given, that is a whole number of groups dividing k (a scale
+    per group in the block); 0 if none reaches KMIN."""
     bk = kmax or KMAX[fmt]
-    while bk >= KMIN[fmt] and group % bk:
+    while bk >= KMIN[fmt] and group % bk and not (k is not None and bk % group == 0 and k % bk == 0):
         bk //= 2
     return bk if bk >= KMIN[fmt] else 0
 
@@ -243,7 +250,10 @@ def tile_call(x, w, meta, scale, y, group: int, fmt: str, block: tuple[int, int]
     (m, k), n = x.shape, y.shape[1]
     quant, sparse = fmt in ("w4", "24w4"), fmt in ("24", "24w4")
     bm, bn = block
-    bk = block_k(fmt, group if quant else k)
+    # the 64-row swapped tile's quantized formats take two groups a K step: half the loop's fixed cost per weight
+    # (a wider tile has the weights per thread already, and would pass 100 KB of shared memory)
+    two = quant and swap and bn <= 64
+    bk = block_k(fmt, group, SMALL_KMAX, k) if two else block_k(fmt, group if quant else k)
     splits, steps = split(m, n, k, bm, bn, bk) if split_k else (1, k // bk)
     out = y if splits == 1 else y.new_empty((splits, m, n), dtype=torch.float32)
     o_strides = (0, y.stride(0), y.stride(1)) if splits == 1 else out.stride()

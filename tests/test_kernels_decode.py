@@ -30,6 +30,8 @@ def test_small_shapes_split_k_and_route_here():
     assert splits == 8 and 8 * 16 * 1024 * splits <= 1024 * 4096 / 2 / 2
     assert tile.split(2048, 14336, 4096, 64, 256, 64)[0] == 1
     assert tile.block_k("w4", 64) == 64 and tile.block_k("w4", 24) == 8 and tile.block_k("24w4", 16) == 0
+    # the swapped tile: two groups a K step where K allows it (a scale per group in the block)
+    assert tile.block_k("w4", 64, 128, 4096) == 128 and tile.block_k("w4", 64, 128, 576) == 64
 
 
 @pytest.mark.parametrize("m,n,k,g", SHAPES)

@@ -117,3 +117,23 @@ def test_the_docs_table_is_the_committed_json_rendered():
     shown = doc[doc.index(begin) + len(begin):doc.index(end)].strip()
     report = json.loads((ROOT / "results" / "kernels" / "inspect.json").read_text())
     assert shown == render_tables(report).strip(), "run `python -m kernels.inspect --table` and paste it"
+
+
+def test_the_committed_report_meets_the_speed_and_resource_targets():
+    """results/kernels/inspect.json (sm_90, Llama-3.1-8B): every release format's config without spills and
+    within 100 KB of shared memory; by the model, W4 >= 2.5x bf16 at M = 1 and >= 2.0x at M = 16, 2:4 + W4
+    >= 3.2x and >= 2.6x, and no format under 0.9x at M = 2048, on every projection."""
+    import json
+
+    from conftest import ROOT
+
+    report = json.loads((ROOT / "results" / "kernels" / "inspect.json").read_text())
+    for v in report["variants"]:
+        if v["arch"] == 90 and not v["format"].startswith("bf16"):
+            assert v["spill_store_bytes"] == 0 and v["shared_bytes"] <= 100 * 1024, (v["format"], v["name"])
+    floor = {("w4", 1): 2.5, ("w4", 16): 2.0, ("24w4", 1): 3.2, ("24w4", 16): 2.6}
+    rows = [r for r in report["model"]["rows"] if r["model"] == "llama-3.1-8b" and r["format"] != "bf16"]
+    assert len(rows) == 9 * 3 * 3
+    for r in rows:
+        need = 0.9 if r["M"] == 2048 else floor.get((r["format"], r["M"]), 0)
+        assert r["speedup_vs_bf16"] >= need, (r["layer"], r["M"], r["format"], r["speedup_vs_bf16"])
