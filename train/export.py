@@ -173,8 +173,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, overwrite: bool =
         for n in list(masks):
             key = f"train_state.mask_learning.{n}.mask"
             if key not in saved:
-                raise SmeltError(f"--checkpoint {ckpt}: no {key} (mask_learning {info['settings']['mask_learning']['mode']}"
-                                 f" keeps no current masks in its checkpoint); export the live run's last step")
+                raise SmeltError(f"--checkpoint {ckpt}: no {key}: a learning-mask run's checkpoint without its "
+                                 f"current masks")
             masks[n] = torch.zeros(saved[key].size, dtype=torch.uint8)
             state[key] = masks[n]
     missing = sorted(set(state) - set(saved))
