@@ -40,8 +40,9 @@ def log_evaluation(report: dict, out_dir: str | Path, name: str, step: int) -> N
     """One evaluation's per-bucket metrics (history and summary, under `eval/<bucket>/<metric>`) and its
     table, into the stage's run (resumed if the training ranks opened it first). `step`: the stage's training
     step that made the model (0 when none did), logged as `eval/step` and declared the x-axis of every
-    `eval/` metric: the row is written at the run's next step, so a resumed run never drops it as out of
-    order, and still plots at the step it belongs to."""
+    `eval/` metric. The row itself goes at step + 1, after the training rows of the same run: an offline
+    process does not know the run's last step, and a row at a step the run already passed is dropped at
+    sync."""
     if not enabled():
         return
     import wandb  # here, not at the top: seconds to import, and only this path needs it
@@ -60,6 +61,6 @@ def log_evaluation(report: dict, out_dir: str | Path, name: str, step: int) -> N
         metrics.update({f"eval/{bucket}/{c}": m[c] for c in cols[1:] if c in m})
     run.define_metric("eval/step")
     run.define_metric("eval/*", step_metric="eval/step")
-    run.log({"eval/step": step, **metrics, "eval/table": table})
+    run.log({"eval/step": step, **metrics, "eval/table": table}, step=step + 1)
     run.summary.update(metrics)
     run.finish()
