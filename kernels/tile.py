@@ -196,7 +196,7 @@ def split_sum_kernel(p_ptr, y_ptr, SPLIT, MN, BLOCK: tl.constexpr):
 
 SUM_BLOCK = 1024
 KMAX = {"bf16": 64, "w4": 64, "24w4": 64, "24": 64}
-SMALL_KMAX = 128  # W4 and 2:4 + W4 in the 64-row swapped tile
+SMALL_KMAX = 128  # W4 and 2:4 + W4 in the swapped tile of up to 128 rows (the GPU's 64, the interpreter's 128)
 KMIN = {"bf16": 16, "w4": 8, "24w4": 32, "24": 32}  # a dot's K; one packed word; one metadata word
 
 
@@ -250,9 +250,9 @@ def tile_call(x, w, meta, scale, y, group: int, fmt: str, block: tuple[int, int]
     (m, k), n = x.shape, y.shape[1]
     quant, sparse = fmt in ("w4", "24w4"), fmt in ("24", "24w4")
     bm, bn = block
-    # the 64-row swapped tile's quantized formats take two groups a K step: half the loop's fixed cost per weight
-    # (a wider tile has the weights per thread already, and would pass 100 KB of shared memory)
-    two = quant and swap and bn <= 64
+    # the swapped tile's quantized formats take two groups a K step: half the loop's fixed cost per weight (the
+    # 256-row tile has the weights per thread already, and would pass 100 KB of shared memory)
+    two = quant and swap and bn <= 128
     bk = block_k(fmt, group, SMALL_KMAX, k) if two else block_k(fmt, group if quant else k)
     splits, steps = split(m, n, k, bm, bn, bk) if split_k else (1, k // bk)
     out = y if splits == 1 else y.new_empty((splits, m, n), dtype=torch.float32)
