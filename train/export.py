@@ -79,11 +79,10 @@ def gather(student: Transformer, mask_pairs, heads: nn.Module | None, into: Tran
             cpu[name].copy_(t)
         del t
     for name, m in fake_quant_modules(student).items():
-        scale = full(m.weight_scale.detach()).cpu()  # a sharded parameter when learned
-        if rank0:  # the artifact holds the weights the forward used: dequantize(codes)
+        scale = full(m.weight_scale.detach())  # a sharded parameter when learned
+        if rank0:  # the weights the forward used: dequantize(codes), frozen on the CPU (freeze_weight)
             w, out.spec = cpu[f"{name}.weight"], m.spec
-            zp = None if m.weight_zero_point is None else m.weight_zero_point.detach().cpu()
-            out.frozen[name] = freeze_weight(w, scale, zp, m.spec)
+            out.frozen[name] = freeze_weight(w, scale, m.weight_zero_point, m.spec)
             w.copy_(dequantize(*out.frozen[name], m.spec))
     for n, _, m in mask_pairs:
         t = full(m.to(torch.uint8))
@@ -168,7 +167,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, overwrite: bool =
         raise SmeltError(f"--out {out} already exists (pass --overwrite to replace it)")
     inner, heads, state = _checkpoint_model(info)
     saved = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    masks = {n: m.bool() for n, m in load_masks(info["student"]).items()}
+    masks = load_masks(info["student"])
     if info["mask_pattern_m"]:  # learned masks: the checkpoint's current ones
         for n in list(masks):
             key = f"train_state.mask_learning.{n}.mask"
