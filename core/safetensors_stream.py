@@ -96,3 +96,72 @@ class StreamedSafetensors:
             self._f.close()
             self._f = None
         self._tmp.unlink(missing_ok=True)
+
+
+_FROM_CODE = {code: dtype for dtype, code in _DTYPES.items()}
+
+
+class SafetensorsReader:
+    """One safetensors file read tensor by tensor (or in row ranges) with plain reads, no memory map: a
+    mapped file's touched pages stay in the process's resident set until it is unmapped, so reading a model
+    larger than memory through safe_open grows it to the file's size. Names, dtypes and shapes come from the
+    header alone; a truncated or corrupt file is one line naming it."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise SmeltError(f"{self.path} does not exist")
+        size = self.path.stat().st_size
+        try:
+            with open(self.path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                if n > size - 8:
+                    raise ValueError(f"header length {n} past the end of the file")
+                header = json.loads(f.read(n))
+            self.metadata = header.pop("__metadata__", None) or {}
+            self._data = 8 + n
+            self._entries = {k: (_FROM_CODE[v["dtype"]], tuple(v["shape"]), tuple(v["data_offsets"]))
+                             for k, v in header.items()}
+        except (ValueError, KeyError, TypeError, struct.error) as e:
+            raise SmeltError(f"{self.path} is not a readable safetensors file (corrupt header: {e})") from None
+        end = max((o[1] for _, _, o in self._entries.values()), default=0)
+        if self._data + end > size:
+            raise SmeltError(f"{self.path} is not a readable safetensors file (truncated: {size} bytes, the header "
+                             f"needs {self._data + end})")
+
+    def keys(self) -> list[str]:
+        """Tensor names in file order."""
+        return sorted(self._entries, key=lambda k: self._entries[k][2][0])
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name)[1]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._entry(name)[0]
+
+    def _entry(self, name: str):
+        if name not in self._entries:
+            raise SmeltError(f"{self.path} has no tensor {name}")
+        return self._entries[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        """The whole tensor, checked finite."""
+        return self.rows(name, 0, self.shape(name)[0] if self.shape(name) else 1)
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of a tensor (a 0-d tensor: the whole of it), checked finite."""
+        dtype, shape, (begin, _) = self._entry(name)
+        row = torch.Size(shape[1:]).numel() * torch.empty((), dtype=dtype).element_size()
+        buf = torch.empty((stop - start) * row, dtype=torch.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(self._data + begin + start * row)
+            if f.readinto(memoryview(buf.numpy())) != buf.numel():
+                raise SmeltError(f"{self.path}: {name} is truncated")
+        out = buf.view(dtype).reshape((stop - start, *shape[1:]) if shape else ())
+        if out.is_floating_point() and not bool(torch.isfinite(out).all()):
+            raise SmeltError(f"{self.path}: tensor {name} has {int((~torch.isfinite(out)).sum())} non-finite "
+                             "value(s) (NaN/inf); refusing to load it")
+        return out

@@ -11,6 +11,7 @@ and the sha256 of every other file. Layout: docs/release-format.md.
 """
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from core.artifact import read_manifest
 from core.data import bucket_prompts
@@ -25,11 +27,12 @@ from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_dir, read_safetensors, save_safetensors, sha256_file
 from core.hf_names import to_hf_name
 from core.masks import DENSE_ROWS, MASKS_FILE
+from core.safetensors_stream import SafetensorsReader, StreamedSafetensors
 from core.packing import pack_24, pack_int4, unpack_24_positions
 from core.patterns import NMPattern
 from core.release_layout import (COMPRESSED_LAYOUT, RELEASE_MANIFEST, SPARSITY_FILE, SPARSITY_JSON, SPARSITY_LAYOUT,
                                  STORAGES, pack_mask, read_release_linears, row_ranges, sparsity_info)
-from models.hf_io import load_hf, load_tokenizer, read_hf_config, read_hf_tensors
+from models.hf_io import load_hf, load_tokenizer, read_hf_config, safetensors_files
 from models.mtp import MTP_FILE, load_mtp, main_fingerprint, mtp_metadata
 from models.speculative import acceptance_probe
 from qat.qparams import QPARAMS_FILE, read_qparams, spec_to_dict
@@ -204,12 +207,115 @@ def compressed_24(name: str, q: torch.Tensor, keep: torch.Tensor, dense_rows: to
     return out
 
 
+ROW_BLOCK_BYTES = 256 << 20  # unquantized tensors (an 8B model's embedding: 2 GB in fp32) are copied in blocks
+
+
+class ArtifactTensors:
+    """An artifact's weights by HF name, read one tensor (or block of rows) at a time from its safetensors
+    files: a release of a model larger than memory holds one module at a time."""
+
+    def __init__(self, art: Path):
+        self._by_name = {k: r for f in safetensors_files(art) for r in [SafetensorsReader(f)] for k in r.keys()}
+        self.names = sorted(self._by_name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._by_name[name].shape(name)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._by_name[name].dtype(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._by_name[name].get(name)
+
+    def row_blocks(self, name: str):
+        """The tensor in blocks of rows of at most ROW_BLOCK_BYTES (a 0-d or 1-d tensor: whole)."""
+        reader, shape = self._by_name[name], self.shape(name)
+        if len(shape) < 2:
+            yield reader.get(name)
+            return
+        row = torch.Size(shape[1:]).numel() * torch.empty((), dtype=self.dtype(name)).element_size()
+        step = max(1, ROW_BLOCK_BYTES // max(row, 1))
+        for a in range(0, shape[0], step):
+            yield reader.rows(name, a, min(a + step, shape[0]))
+
+
+class ArtifactMasks:
+    """masks.safetensors read a module at a time: `names` (keep-masks), `mask(name)`, and `check_zeros`."""
+
+    def __init__(self, art: Path):
+        path = art / MASKS_FILE
+        self._reader = SafetensorsReader(path) if path.is_file() else None
+        keys = self._reader.keys() if self._reader else []
+        self.names = sorted(k for k in keys if not k.endswith(f".{DENSE_ROWS}"))
+        self.dense_rows = {k.removesuffix(f".{DENSE_ROWS}"): self._reader.get(k).bool()
+                           for k in keys if k.endswith(f".{DENSE_ROWS}")}
+
+    def mask(self, name: str) -> torch.Tensor:
+        return self._reader.get(name).bool()
+
+    def check_zeros(self, name: str, w: torch.Tensor) -> None:
+        if name not in self.names:
+            return
+        mask = self.mask(name)
+        bad = int((w[~mask] != 0).sum())
+        if bad:
+            kind = "2:4 mask" if SPARSE_24.holds(mask, self.dense_rows.get(name)) else "mask"
+            raise SmeltError(f"{name}: {bad} weights are non-zero where the {kind} removes them")
+
+
+def _declared_sparsity(src: ArtifactTensors, art: Path, chain: list[dict]
+                       ) -> tuple[dict[str, float], dict, ArtifactMasks]:
+    """({2:4 module: density}, {module: dense rows}, the masks), every mask checked against its weight's shape
+    and the pattern its prune stage declared before any weight is packed: a broken mask is a clearer diagnosis
+    than the off-grid error it may also cause. Unstructured masks are enforced but not declared."""
+    masks = ArtifactMasks(art)
+    pattern, sparse = declared_pattern(chain), {}
+    for name in masks.names:
+        mask = masks.mask(name)
+        if f"{name}.weight" not in src or src.shape(f"{name}.weight") != tuple(mask.shape):
+            raise SmeltError(f"{MASKS_FILE}: {name} has no weight of shape {tuple(mask.shape)} in the model")
+        rows = masks.dense_rows.get(name)
+        if pattern and not pattern.holds(mask, rows):
+            raise SmeltError(f"{MASKS_FILE}: {name} breaks the {pattern} pattern its prune stage declared")
+        if SPARSE_24.holds(mask, rows):
+            sparse[name] = round(mask.float().mean().item(), 6)
+    return sparse, masks.dense_rows, masks
+
+
+def _module_layout(name: str, shape: tuple[int, int], spec: QuantSpec, compressed: bool,
+                   dense_rows: torch.Tensor | None) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """The tensors compress_module (and compressed_24) write for one Linear, in the order they are written."""
+    out_f, in_f = shape
+    t = {"weight_scale": (torch.float32, (out_f, spec.n_groups(in_f))), "weight_shape": (torch.int64, (2,))}
+    if compressed:
+        nd = 0 if dense_rows is None else int(dense_rows.sum())
+        t.update(weight_kept=(torch.int32, (out_f - nd, in_f // 16)), weight_meta=(torch.int32, (out_f - nd, in_f // 32)))
+        if nd:
+            t["weight_dense_packed"] = (torch.int32, (nd, in_f // 8))
+    else:
+        t["weight_packed"] = (torch.int32, (out_f, -(-in_f * spec.bits // 32)))
+    return [(f"{name}.{k}", *t[k]) for k in sorted(t)]
+
+
 def _write_sparsity(tmp: Path, modules: dict[str, tuple], storage: str) -> None:
     """sparsity.json (+ sparsity.safetensors keep-bits in the mask storage); modules: name -> (shape,
-    density, dense_rows or None, keep-mask)."""
+    density, dense_rows or None, a function giving the keep-mask), the masks read one at a time."""
     if storage == "mask":
-        save_safetensors({f"{k}.keep_bits": pack_mask(m[3]) for k, m in modules.items()}, tmp / SPARSITY_FILE,
-                         metadata={"format": "smelt-sparsity/1"})
+        names = sorted(modules)
+        stream = StreamedSafetensors(tmp / SPARSITY_FILE, [
+            (f"{k}.keep_bits", torch.uint8, (modules[k][0][0], -(-modules[k][0][1] // 8))) for k in names],
+            metadata={"format": "smelt-sparsity/1"})
+        try:
+            for k in names:
+                mask = modules[k][3]
+                stream.write(f"{k}.keep_bits", pack_mask(mask() if callable(mask) else mask))
+            stream.close()
+        except BaseException:
+            stream.abort()
+            raise
     (tmp / SPARSITY_JSON).write_text(json.dumps({
         "format": "smelt-sparsity/1", "pattern": str(SPARSE_24), "storage": storage,
         "file": SPARSITY_FILE if storage == "mask" else None,
@@ -257,47 +363,16 @@ def build_release(artifact_dir: str | Path, out_dir: str | Path, overwrite: bool
     config = read_hf_config(art)
     if "quantization_config" in config:
         raise SmeltError(f"{art}/config.json already has a quantization_config (already a release?)")
-    state = read_hf_tensors(art)
-    masks = read_safetensors(art / MASKS_FILE) if (art / MASKS_FILE).is_file() else {}  # HF names
-    suffix = f".{DENSE_ROWS}"
-    dense_rows = {k.removesuffix(suffix): v.bool() for k, v in masks.items() if k.endswith(suffix)}
-    masks = {k: v for k, v in masks.items() if not k.endswith(suffix)}
-
-    # Masks first: a broken mask is a clearer diagnosis than the off-grid error it may also cause.
-    pattern, sparse = declared_pattern(chain), {}
-    for name, mask in masks.items():
-        w = state.get(f"{name}.weight")
-        if w is None or tuple(w.shape) != tuple(mask.shape):
-            raise SmeltError(f"{MASKS_FILE}: {name} has no weight of shape {tuple(mask.shape)} in the model")
-        rows = dense_rows.get(name)
-        is24 = SPARSE_24.holds(mask, rows)
-        if pattern and not pattern.holds(mask, rows):
-            raise SmeltError(f"{MASKS_FILE}: {name} breaks the {pattern} pattern its prune stage declared")
-        bad = int((w[~mask.bool()] != 0).sum())
-        if bad:
-            kind = "2:4 mask" if is24 else "mask"
-            raise SmeltError(f"{name}: {bad} weights are non-zero where the {kind} removes them")
-        if is24:
-            sparse[name] = mask.bool()  # unstructured masks are enforced but not declared
-
-    scheme = ct_scheme(spec)
-    tensors = {}
-    for ours in sorted(qparams):
-        name = to_hf_name(ours)
-        scale = qparams[ours][0].float()
-        w = state.pop(f"{name}.weight", None)
-        if w is None:
+    src = ArtifactTensors(art)
+    sparse, dense_rows, masks = _declared_sparsity(src, art, chain)
+    quantized = {to_hf_name(ours): ours for ours in qparams}
+    for name in sorted(quantized):
+        if f"{name}.weight" not in src:
             raise SmeltError(f"{QPARAMS_FILE} has scales for {name}, model.safetensors has no {name}.weight")
-        q = integer_codes(name, w, scale, spec)
-        packed = compress_module(name, q, scale, spec, scheme)
-        if sparse_storage == "compressed" and name in sparse:
-            packed = compressed_24(name, q, sparse[name], dense_rows.get(name), packed)
-        tensors.update(packed)
-    # embeddings, norms, an untied lm_head, Linears left dense: in the serving dtype
-    tensors.update({k: v.to(serve) if v.is_floating_point() else v for k, v in state.items()})
+    compressed = {n for n in sparse if sparse_storage == "compressed" and n in quantized}
+    kept = sorted(k for k in src.names if k.removesuffix(".weight") not in quantized)
     # Every Linear left dense must be ignored, else loaders expect packed weights for it.
-    dense = sorted(k.removesuffix(".weight") for k, v in state.items()
-                   if v.ndim == 2 and k.endswith("_proj.weight"))
+    dense = sorted(k.removesuffix(".weight") for k in kept if len(src.shape(k)) == 2 and k.endswith("_proj.weight"))
     ignore = ([] if "output" in qparams else ["lm_head"]) + dense
 
     config["quantization_config"] = ct_quantization_config(spec, ignore)
@@ -306,15 +381,40 @@ def build_release(artifact_dir: str | Path, out_dir: str | Path, overwrite: bool
                                  "modules": len(qparams)},
                 "dtype": dtype,
                 "sparsity": {"pattern": str(SPARSE_24), "modules": len(sparse), "storage": sparse_storage,
-                             "undeclared_masks": sorted(set(masks) - set(sparse))} if masks else None,
+                             "undeclared_masks": sorted(set(masks.names) - set(sparse))} if masks.names else None,
                 "source": str(art.resolve()),
                 "mtp": mtp_record(art, serve, set(qparams))}
+    layout = [e for name in sorted(quantized) for e in _module_layout(
+        name, src.shape(f"{name}.weight"), spec, name in compressed, dense_rows.get(name))]
+    layout += [(k, serve if src.dtype(k).is_floating_point else src.dtype(k), src.shape(k)) for k in kept]
+    scheme = ct_scheme(spec)
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        stream = StreamedSafetensors(tmp / "model.safetensors", layout, metadata={"format": "pt"})
+        try:
+            for name in tqdm(sorted(quantized), desc="pack", unit="module", disable=None):
+                w = src.get(f"{name}.weight")
+                masks.check_zeros(name, w)
+                q = integer_codes(name, w, qparams[quantized[name]][0].float(), spec)
+                del w
+                packed = compress_module(name, q, qparams[quantized[name]][0].float(), spec, scheme)
+                if name in compressed:
+                    packed = compressed_24(name, q, masks.mask(name), dense_rows.get(name), packed)
+                for key in sorted(packed):
+                    stream.write(key, packed[key])
+            for k in kept:  # embeddings, norms, an untied lm_head, Linears left dense: in the serving dtype
+                if k.removesuffix(".weight") in masks.names:
+                    masks.check_zeros(k.removesuffix(".weight"), src.get(k))
+                for rows in src.row_blocks(k):
+                    stream.write(k, rows.to(serve) if rows.is_floating_point() else rows, part=True)
+            stream.close()
+        except BaseException:
+            stream.abort()
+            raise
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if sparse:
-            _write_sparsity(tmp, {k: (list(m.shape), round(m.float().mean().item(), 6), dense_rows.get(k), m)
-                                  for k, m in sparse.items()}, sparse_storage)
+            _write_sparsity(tmp, {k: (list(src.shape(f"{k}.weight")), density, dense_rows.get(k),
+                                      functools.partial(masks.mask, k)) for k, density in sparse.items()},
+                            sparse_storage)
         for f in PASSTHROUGH:
             if (art / f).is_file():
                 shutil.copy2(art / f, tmp / f)
