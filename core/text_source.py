@@ -5,7 +5,9 @@
   path/to/file-or-folder       local .txt, .jsonl/.json or .parquet files (one kind per source); the files
                                of the evaluation corpora (or byte-identical copies) are refused
   hf:<name>[:<config>]         a hub dataset, streamed (clusters; never loaded by the tests); a hub that
-                               cannot be reached is one line saying so, not the client's traceback
+                               cannot be reached is one line saying so, not the client's traceback. One
+                               fetched ahead (`smelt prefetch`, core.hub_datasets) streams from the local
+                               cache; under SMELT_OFFLINE=1 one that is not is a one-line error
 
 Each source becomes a `datasets` IterableDataset read with streaming=True, split between data-parallel
 ranks with `split_dataset_by_node`, and tokenized on the fly. `PackedTextStream.next_batch(b)` returns
@@ -42,6 +44,7 @@ from typing import TYPE_CHECKING, ClassVar, NoReturn
 import numpy as np
 import torch
 
+from core import hub_datasets
 from core.artifact import read_manifest
 from core.data import (
     BUCKETS,
@@ -56,6 +59,7 @@ from core.data import (
     split_corpora,
 )
 from core.errors import SmeltError, one_line
+from core.fetch import offline, offline_message
 
 if TYPE_CHECKING:  # datasets (with pyarrow: 0.1 GiB of RSS) loads only where a stream is built, not for
     import datasets  # every stage that imports this module for its settings
@@ -179,7 +183,7 @@ def _pieces(text: str) -> list[str]:
     return out + ["".join(cur)] if cur else out
 
 
-def _network_errors() -> tuple[type[BaseException], ...]:
+def network_errors() -> tuple[type[BaseException], ...]:
     """What the hub clients raise when the network fails: OSError covers ConnectionError (datasets' own,
     huggingface_hub's offline and HTTP errors, requests, aiohttp); httpx's transport errors are not OSErrors."""
     try:
@@ -199,7 +203,7 @@ def hub_access(config: TextSourceConfig) -> Iterator[None]:
         yield
     except DatasetNotFoundError as e:
         config.fail("source", f"{config.source}: not found on the Hugging Face Hub, or gated ({one_line(e)})")
-    except _network_errors() as e:
+    except network_errors() as e:
         name = config.source[3:].partition(":")[0]
         config.fail("source", f"{config.source} could not be reached ({type(e).__name__}: {one_line(e)}); compute "
                               f"nodes often have no internet: download it on a machine with internet (hf download {name} "
@@ -213,6 +217,14 @@ def build_dataset(config: TextSourceConfig) -> tuple[str, datasets.IterableDatas
     kind, what = config.resolve()
     if kind == "hf":
         name, cfg = what
+        local = hub_datasets.local_files(name, cfg, config.split)
+        if local is not None:  # fetched ahead (smelt prefetch): its files in the hub cache, no network
+            builder, files = local
+            return kind, datasets.load_dataset(builder, data_files={config.split: files}, split=config.split,
+                                               streaming=True)
+        if offline():
+            config.fail("source", offline_message(f"dataset {hub_datasets.label(name, cfg, config.split)}",
+                                                  hub_datasets.record_path(name, cfg, config.split)))
         with hub_access(config):
             return kind, datasets.load_dataset(name, cfg, split=config.split, streaming=True)
     if kind != "corpus":

@@ -23,11 +23,17 @@ smelt_check_venv() {
 #                                      instead of leaving it hung until the time limit
 #   NCCL_DEBUG=WARN                    NCCL's warnings in the job log, not its info lines
 #   WANDB_MODE=offline                 WANDB_MODE=online (and WANDB_API_KEY) to sync live
+#   SMELT_OFFLINE=1                    nothing downloads: what is not cached is a one-line error naming it and
+#                                      `smelt prefetch RECIPE` (run on the login node); SMELT_OFFLINE=0 to allow
+#   HF_HUB_OFFLINE, HF_DATASETS_OFFLINE  the hub clients likewise: SMELT_OFFLINE's value unless set
 smelt_job_env() {
   export PYTHONFAULTHANDLER=${PYTHONFAULTHANDLER:-1}
   export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
   export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
   export WANDB_MODE=${WANDB_MODE:-offline}
+  export SMELT_OFFLINE=${SMELT_OFFLINE:-1}
+  export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-$SMELT_OFFLINE}
+  export HF_DATASETS_OFFLINE=${HF_DATASETS_OFFLINE:-$SMELT_OFFLINE}
 }
 
 # The multi-node rendezvous from the allocation. Exports what train.launch needs on every node:

@@ -41,6 +41,8 @@ COMMANDS = {c.name: c for c in [
             "rank); runs nothing", RUN, prefix=("--dry-run",), recipe=True),
     Command("run", "configs.recipe", "run a recipe's stages (or --stage S), each evaluated; finished ones are "
             "skipped; --set KEY=VALUE", RUN, recipe=True),
+    Command("prefetch", "smelt.prefetch", "on a login node: fetch all a recipe would download (teacher, corpora, "
+            "hf: datasets); jobs run offline", RUN, recipe=True),
     Command("teacher", "models.teacher", "fetch a registered teacher (or import a GGUF) and print its HF "
             "directory", STAGES),
     Command("heads", "prune.heads", "score attention heads (sink, retrieval, importance) and MLP channels; pick "

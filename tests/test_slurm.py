@@ -265,7 +265,7 @@ if "--list-stages" in sys.argv:
     print("prune\nrecover\n\nquantize")
     sys.exit(0)
 with open(os.path.join(out, "env.json"), "w") as f:
-    json.dump({k: v for k, v in os.environ.items() if k.startswith(("SMELT_", "PYTHONFAULT", "TORCH_NCCL", "NCCL_"))}
+    json.dump({k: v for k, v in os.environ.items() if k.startswith(("SMELT_", "PYTHONFAULT", "TORCH_NCCL", "NCCL_", "HF_"))}
               | {"argv": sys.argv[1:]}, f)
 cmd = [*shlex.split(os.environ["SMELT_LAUNCH_PREFIX"]), sys.executable, os.path.join(out, "waiter.py")]
 sys.exit(subprocess.run(cmd).returncode)
@@ -321,6 +321,9 @@ def test_stage_sbatch_exports_the_rendezvous_and_requeues_on_usr1(tmp_path, reci
     assert seen["SMELT_RDZV_ENDPOINT"] == f"node07:{29500 + 5151 % 1000}"
     # a crashing or timed-out rank prints its stacks; an NCCL error aborts instead of hanging
     assert (seen["PYTHONFAULTHANDLER"], seen["TORCH_NCCL_ASYNC_ERROR_HANDLING"], seen["NCCL_DEBUG"]) == ("1", "1", "WARN")
+    # a job never downloads; what is missing names the recipe to prefetch
+    assert (seen["SMELT_OFFLINE"], seen["HF_HUB_OFFLINE"], seen["HF_DATASETS_OFFLINE"]) == ("1", "1", "1")
+    assert seen["SMELT_RECIPE"] == "smollm2"
     assert shlex.split(seen["SMELT_LAUNCH_PREFIX"]) == [
         "srun", "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", str(ROOT / "slurm" / "task.sh")]
 
