@@ -16,10 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
 from core.errors import SmeltError
 from core.packing import unpack_24, unpack_int4
+from core.safetensors_stream import SafetensorsReader
 
 RELEASE_MANIFEST = "smelt_release.json"
 SPARSITY_FILE = "sparsity.safetensors"
@@ -148,32 +147,47 @@ def quant_args(config: dict) -> tuple[int, int]:
     return 4, int(w["group_size"])
 
 
-def read_release_linears(rel: str | Path) -> dict[str, ReleaseLinear]:
-    """Every quantized Linear of a release (HF module names), in either 2:4 storage."""
-    rel = Path(rel)
-    _, group = quant_args(json.loads((rel / "config.json").read_text()))
-    info = sparsity_info(rel)
-    declared = info.get("modules", {})
-    by_mod: dict[str, dict[str, torch.Tensor]] = {}
-    with safe_open(str(rel / "model.safetensors"), framework="pt") as f:
-        for key in f.keys():
+class ReleaseReader:
+    """A release's quantized Linears read one module at a time (plain reads, no memory map), so a model larger
+    than memory is checked and run a module at a time: `modules` (HF names), `tensors(mod)` (its stored
+    tensors by suffix), `linear(mod)` (its ReleaseLinear), `model` (the reader of model.safetensors)."""
+
+    def __init__(self, rel: str | Path):
+        self.rel = Path(rel)
+        self.config = json.loads((self.rel / "config.json").read_text())
+        self.model = SafetensorsReader(self.rel / "model.safetensors")
+        self.info = sparsity_info(self.rel)
+        self.declared = self.info.get("modules", {})
+        self._by_mod: dict[str, dict[str, str]] = {}
+        for key in self.model.keys():
             mod, _, param = key.rpartition(".")
             if param.startswith("weight_"):
-                by_mod.setdefault(mod, {})[param] = f.get_tensor(key)
-    bits = {}
-    if declared and info["storage"] == "mask":
-        with safe_open(str(rel / info.get("file", SPARSITY_FILE)), framework="pt") as f:
-            bits = {k: f.get_tensor(k) for k in f.keys()}
-    out: dict[str, ReleaseLinear] = {}
-    for mod, t in sorted(by_mod.items()):
+                self._by_mod.setdefault(mod, {})[param] = key
+        self.modules = sorted(self._by_mod)
+        masked = self.declared and self.info["storage"] == "mask"
+        self._bits = SafetensorsReader(self.rel / self.info.get("file", SPARSITY_FILE)) if masked else None
+        missing = sorted(set(self.declared) - set(self.modules))
+        if missing:
+            raise SmeltError(f"{SPARSITY_JSON} declares {missing[0]}, which has no quantized weight")
+
+    def tensors(self, mod: str) -> dict[str, torch.Tensor]:
+        return {param: self.model.get(key) for param, key in self._by_mod[mod].items()}
+
+    def keep_bits(self, mod: str) -> torch.Tensor | None:
+        key = f"{mod}.keep_bits"
+        return self._bits.get(key) if self._bits is not None and key in self._bits else None
+
+    def linear(self, mod: str) -> ReleaseLinear:
+        _, group = quant_args(self.config)
+        t = self.tensors(mod)
         if "weight_shape" not in t or "weight_scale" not in t:
             raise SmeltError(f"model.safetensors: {mod} lacks weight_shape/weight_scale")
         shape = tuple(int(x) for x in t["weight_shape"].tolist())
         lin = ReleaseLinear(mod, shape, group, t["weight_scale"])
-        d = declared.get(mod)
+        d = self.declared.get(mod)
         if d is not None and d.get("dense_rows"):
             lin.dense_rows = rows_from_ranges(d["dense_rows"], shape[0])
-        if d is not None and info["storage"] == "compressed":
+        if d is not None and self.info["storage"] == "compressed":
             lin.kept, lin.meta = t.get("weight_kept"), t.get("weight_meta")
             lin.dense_packed = t.get("weight_dense_packed")
             n_dense = 0 if lin.dense_rows is None else int(lin.dense_rows.sum())
@@ -183,12 +197,15 @@ def read_release_linears(rel: str | Path) -> dict[str, ReleaseLinear]:
                 raise SmeltError(f"model.safetensors: {mod} lacks weight_packed")
             lin.packed = t["weight_packed"]
             if d is not None:
-                key = f"{mod}.keep_bits"
-                if key not in bits:
-                    raise SmeltError(f"{SPARSITY_FILE}: no {key} for the declared 2:4 module {mod}")
-                lin.keep = unpack_mask(bits[key], shape[1])
-        out[mod] = lin
-    missing = sorted(set(declared) - set(out))
-    if missing:
-        raise SmeltError(f"{SPARSITY_JSON} declares {missing[0]}, which has no quantized weight")
-    return out
+                bits = self.keep_bits(mod)
+                if bits is None:
+                    raise SmeltError(f"{SPARSITY_FILE}: no {mod}.keep_bits for the declared 2:4 module {mod}")
+                lin.keep = unpack_mask(bits, shape[1])
+        return lin
+
+
+def read_release_linears(rel: str | Path) -> dict[str, ReleaseLinear]:
+    """Every quantized Linear of a release (HF module names), in either 2:4 storage."""
+    reader = ReleaseReader(rel)
+    quant_args(reader.config)
+    return {mod: reader.linear(mod) for mod in reader.modules}
