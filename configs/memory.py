@@ -259,6 +259,11 @@ def format_plan(p: dict) -> str:
             lines.append(f"      config {b['config'] or '-'}: local batch {b['local_batch']}, global batch "
                          f"{b['global_batch']}, seq_len {b['seq_len']}, {b['dtype']}, activation "
                          f"checkpointing {ac}, source {b['source']}")
+        if s.get("calibration"):
+            c = s["calibration"]
+            distinct = ("distinct tokens not counted" if c["distinct_tokens"] is None
+                        else f"{c['distinct_tokens']:,} distinct corpus tokens")
+            lines.append(f"      calibration {c['corpus']}, {c['sampling']} windows: {distinct} ({c['basis']})")
         lines += [f"      $ {c}" for c in s["commands"]] or ["      (not built yet: planned)"]
         lines += [f"      $ {s['evaluation']}"] if s["evaluation"] else []
     mem = [s for s in p["stages"] if "memory_gib" in s]

@@ -34,8 +34,6 @@ from configs.recipe_spec import load, metrics_source
 from configs.recipe_stages import (
     PY,
     TRAINING,
-    PruneStage,
-    PtqStage,
     Recipe,
     ReleaseStage,
     SelfTextStage,
@@ -43,8 +41,16 @@ from configs.recipe_stages import (
     TrainStage,
 )
 from configs.schema import build
-from core.calibrate import CalibConfig
-from core.data import EvalConfig
+from core.block_fit import CALIB
+from core.calibrate import HEADS_CALIB, CalibConfig
+from core.data import (
+    EvalConfig,
+    corpus_token_counts,
+    distinct_tokens,
+    is_corpus_mix,
+    split_corpora,
+    window_starts,
+)
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_write_text
 
@@ -61,6 +67,13 @@ def _opt(flag: str, value) -> list[str]:
     return [] if value is None or value is False else [flag] if value is True else [flag, str(value)]
 
 
+def _sampling(recipe: Recipe) -> list[str]:
+    """--calib-sampling where the recipe's differs from the CLIs' default (a recipe restating it runs recipe.sh's
+    commands)."""
+    sampling = recipe.data.calibration_sampling
+    return [] if sampling == CalibConfig.sampling else ["--calib-sampling", sampling]
+
+
 def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
     """The stage's own commands, in order (the evaluation after it: `evaluation`)."""
     t, par, calib = recipe.teacher, recipe.parallelism, recipe.data.calibration
@@ -74,7 +87,8 @@ def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
                                                                  if fetch else [])
     if st.kind == "heads":
         return [[PY, "-m", "prune.heads", "--teacher", t, *_opt("--top-k", st.top_k),
-                 *_opt("--calib-windows", st.calib_windows), *_opt("--needle-lengths", st.needle_lengths),
+                 *_opt("--calib-windows", st.calib_windows), *_sampling(recipe),
+                 *_opt("--needle-lengths", st.needle_lengths),
                  *_opt("--needle-samples", st.needle_samples), "--out", st.dst,
                  "--png", st.dst.removesuffix(".json") + ".png"]]
     if st.kind == "prune":
@@ -83,7 +97,7 @@ def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
                  *_opt("--sparsity", st.sparsity), *_opt("--calib-windows", st.calib_windows),
                  *_opt("--calib-seq-len", st.calib_seq_len), *_opt("--calib-forward", st.calib_forward),
                  *_opt("--calib-hessian", st.calib_hessian), *_opt("--calib-true-sequential", st.calib_true_sequential),
-                 *_opt("--calib-corpus", calib), *_opt("--refit", st.refit), "--out", st.dst]]
+                 *_opt("--calib-corpus", calib), *_sampling(recipe), *_opt("--refit", st.refit), "--out", st.dst]]
     if st.kind in ("reconstruct", "qreconstruct"):
         module = "prune.reconstruct" if st.kind == "reconstruct" else "qat.reconstruct"
         # a qreconstruct stage's target, where set, stands in for the teacher: its block outputs are what is fitted
@@ -92,7 +106,7 @@ def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
                  *_opt("--scale-lr", getattr(st, "scale_lr", None)),
                  *_opt("--epochs", st.epochs), *_opt("--inputs", st.inputs), *_opt("--fit", st.fit),
                  *_opt("--calib-windows", st.calib_windows), *_opt("--calib-seq-len", st.calib_seq_len),
-                 *_opt("--calib-corpus", calib), "--out", st.dst]]
+                 *_opt("--calib-corpus", calib), *_sampling(recipe), "--out", st.dst]]
     if st.kind == "teacher_cache":
         return [[PY, "-m", "distill.teacher_cache", "--teacher", t, "--source", recipe.data.train,
                  "--seq-len", str(st.seq_len), "--windows", str(st.windows), "--top-k", str(st.top_k),
@@ -119,7 +133,7 @@ def commands(recipe: Recipe, st: Stage, env: dict) -> list[list[str]]:
                  *_opt("--group-size", st.group_size), *_opt("--calib-windows", st.calib_windows),
                  *_opt("--calib-seq-len", st.calib_seq_len), *_opt("--calib-forward", st.calib_forward),
                  *_opt("--calib-hessian", st.calib_hessian), *_opt("--calib-true-sequential", st.calib_true_sequential),
-                 *_opt("--calib-corpus", calib), "--out", st.dst]]
+                 *_opt("--calib-corpus", calib), *_sampling(recipe), "--out", st.dst]]
     if st.kind == "release":
         return [[PY, "-m", "qat.release", "--artifact", st.src, "--out", st.dst, "--dtype", st.dtype,
                  "--sparse-storage", st.sparse_storage,
@@ -144,6 +158,63 @@ def evaluation(recipe: Recipe, st: Stage, tdir: str | None) -> list[str] | None:
 
 
 # ---- the plan ------------------------------------------------------------------------------------------
+CALIBRATING = {"heads": HEADS_CALIB, "prune": CalibConfig(), "ptq": CalibConfig(), "reconstruct": CALIB,
+               "qreconstruct": CALIB}  # each stage CLI's calibration defaults (qat.ptq's are CalibConfig's)
+
+
+def stage_calibration(recipe: Recipe, st: Stage, where: str) -> CalibConfig | None:
+    """The calibration a stage's command runs (its CLI's defaults where the recipe says nothing); None: none."""
+    base = CALIBRATING.get(st.kind)
+    if base is None:
+        return None
+    n, seq_len = st.calib_windows, getattr(st, "calib_seq_len", None)
+    try:  # a heads command is given no --calib-corpus: its CLI's own
+        return CalibConfig(n_windows=base.n_windows if n is None else n,
+                           seq_len=base.seq_len if seq_len is None else seq_len,
+                           seed=base.seed, corpus=base.corpus if st.kind == "heads" else recipe.data.calibration
+                           or base.corpus, sampling=recipe.data.calibration_sampling)
+    except SmeltError as e:
+        raise SmeltError(f"{where}: {e}") from None
+
+
+def corpus_lengths(tdir: Path | None):
+    """names -> [(corpus, token count)] by the teacher's tokenizer (loaded on first use), or None where the teacher
+    or a fetched corpus is not on this machine: the plan never downloads."""
+    tokenizer = None
+
+    def lengths(names: list[str]) -> list[tuple[str, int]] | None:
+        nonlocal tokenizer
+        if tdir is None or not any((tdir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            return None
+        if tokenizer is None:
+            from models.hf_io import load_tokenizer  # transformers: seconds to import, only where it is used
+            tokenizer = load_tokenizer(tdir)
+            tokenizer.model_max_length = sys.maxsize  # counted, never fed to a model: no length warning
+        return corpus_token_counts(tokenizer, names)
+    return lengths
+
+
+def calibration_plan(cfg: CalibConfig, where: str, has_seq_len: bool, lengths) -> dict:
+    """A calibrating stage's windows, tokens and the distinct corpus tokens they cover (window_starts over the
+    corpora's token counts; disjoint windows hold windows x (seq_len - 1) by construction). A disjoint draw that
+    cannot fit is the one-line error the stage would give, naming the recipe's keys."""
+    out = {"windows": cfg.n_windows, "seq_len": cfg.seq_len, "tokens": cfg.n_windows * cfg.seq_len,
+           "corpus": cfg.corpus, "sampling": cfg.sampling, "distinct_tokens": None}
+    counts = lengths(split_corpora(cfg.corpus, "calibration")) if is_corpus_mix(cfg.corpus) else None
+    if counts is not None:
+        fields = (f"{where}.calib_windows", f"{where}.calib_seq_len" if has_seq_len else "seq_len")
+        starts = window_starts(counts, cfg.n_windows, cfg.seq_len, cfg.seed, cfg.sampling, fields)
+        out.update(distinct_tokens=distinct_tokens(starts, cfg.seq_len), basis="counted on the teacher's tokenizer")
+    elif not is_corpus_mix(cfg.corpus):
+        out["basis"] = "a text source's consecutive chunks: not counted"
+    elif cfg.sampling == "disjoint":
+        out.update(distinct_tokens=cfg.n_windows * (cfg.seq_len - 1),
+                   basis="disjoint by construction; their fit is checked where the teacher's tokenizer is")
+    else:
+        out["basis"] = "overlapping: counted where the teacher's tokenizer and corpora are"
+    return out
+
+
 def plan(recipe: Recipe, shape, env: dict, only: str | None = None) -> dict:
     par, tdir = recipe.parallelism, teacher_dir(recipe.teacher)
     out = {"recipe": recipe.name, "teacher": recipe.teacher, "teacher_dir": str(tdir) if tdir else None,
@@ -154,7 +225,8 @@ def plan(recipe: Recipe, shape, env: dict, only: str | None = None) -> dict:
         out["notes"].append(f"no config.json for teacher {recipe.teacher!r} here, so no shapes or memory: "
                             f"run `python -m models.teacher --teacher {recipe.teacher}` or pass "
                             f"--teacher-config")
-    for st in recipe.stages:
+    lengths = corpus_lengths(tdir)
+    for i, st in enumerate(recipe.stages):
         if only and st.name != only:
             continue
         ev = evaluation(recipe, st, str(tdir) if tdir else None)
@@ -162,9 +234,10 @@ def plan(recipe: Recipe, shape, env: dict, only: str | None = None) -> dict:
                  **({"target": st.target} if getattr(st, "target", None) else {}),
                  "commands": [shlex.join(c) for c in commands(recipe, st, env)],
                  "evaluation": shlex.join(ev) if ev else None, "tokens": None, "tokens_formula": None}
-        if isinstance(st, (PruneStage, PtqStage)):
-            w, n = st.calib_windows or CalibConfig.n_windows, st.calib_seq_len or CalibConfig.seq_len
-            entry.update(tokens=w * n, tokens_formula=f"calibration {w} windows x {n}")
+        calib = stage_calibration(recipe, st, f"stages[{i}]")
+        if calib is not None:
+            c = entry["calibration"] = calibration_plan(calib, f"stages[{i}]", hasattr(st, "calib_seq_len"), lengths)
+            entry.update(tokens=c["tokens"], tokens_formula=f"calibration {c['windows']} windows x {c['seq_len']}")
         if isinstance(st, SelfTextStage):
             t = st.settings
             entry.update(tokens=t.generated_tokens,

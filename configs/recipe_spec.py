@@ -47,7 +47,7 @@ from core.calibrate import (
     CalibConfig,
     check_reconstruct,
 )
-from core.data import EvalConfig, SelfTextConfig, split_corpora
+from core.data import WINDOW_SAMPLING, EvalConfig, SelfTextConfig, split_corpora
 from core.device import bf16_is_fast
 from core.errors import SmeltError
 from core.patterns import NMPattern
@@ -345,6 +345,9 @@ def check(recipe: Recipe, registry: dict) -> None:
                 check_source(value)
             except SmeltError as e:
                 raise SmeltError(f"data.{key}: {e}") from None
+    if recipe.data.calibration_sampling not in WINDOW_SAMPLING:
+        raise SmeltError(f"data.calibration_sampling {recipe.data.calibration_sampling!r} is not one of "
+                         f"{', '.join(WINDOW_SAMPLING)}")
     if recipe.eval is not None:
         build(EvalConfig, recipe.eval, "eval")
     if not recipe.stages:

@@ -24,6 +24,9 @@ PY = "python"  # sys.executable in the commands (printed as `python`)
 class Data:
     train: str | None = None        # training text source (--dataloader.source); None: the config's own
     calibration: str | None = None  # prune/ptq calibration corpus (--calib-corpus); None: their default
+    # how the calibrating stages draw a corpus mix's windows (--calib-sampling): "disjoint" (no token in two
+    # windows) or "overlapping" (independent offsets, the CLIs' default)
+    calibration_sampling: str = "disjoint"
 
 
 @dataclass

@@ -20,7 +20,13 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from core.calibrate import RECONSTRUCT_FITS, RECONSTRUCT_INPUTS, CalibConfig, check_reconstruct
+from core.calibrate import (
+    RECONSTRUCT_FITS,
+    RECONSTRUCT_INPUTS,
+    CalibConfig,
+    add_sampling_arg,
+    check_reconstruct,
+)
 from core.errors import ArgumentParser, SmeltError
 
 # The calibration text by default: 64 x 512 windows of the training mix, 8 to a block forward (fit_blocks holds one
@@ -284,6 +290,7 @@ def add_fit_args(ap, config: type[ReconstructConfig]) -> None:
     ap.add_argument("--calib-seq-len", type=int, default=CALIB.seq_len)
     ap.add_argument("--calib-corpus", default=CALIB.corpus)
     ap.add_argument("--calib-seed", type=int, default=CALIB.seed)
+    add_sampling_arg(ap)
     ap.add_argument("--capture-batch", type=int, default=CALIB.batch_size, help="windows per block forward")
     for f in config.__dataclass_fields__.values():
         ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
@@ -293,7 +300,7 @@ def fit_settings(args, config: type[ReconstructConfig]) -> tuple[ReconstructConf
     """(the fit's config, the calibration's) from add_fit_args' flags, validated."""
     cfg = config(**{k: getattr(args, k) for k in config.__dataclass_fields__})
     calib = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, seed=args.calib_seed,
-                        corpus=args.calib_corpus, batch_size=args.capture_batch)
+                        corpus=args.calib_corpus, sampling=args.calib_sampling, batch_size=args.capture_batch)
     return cfg, calib
 
 

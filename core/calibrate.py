@@ -45,7 +45,7 @@ from torch import nn
 from tqdm import tqdm
 
 from core import true_sequential
-from core.data import calibration_windows, corpus_record, is_corpus_mix, split_corpora
+from core.data import WINDOW_SAMPLING, calibration_windows, corpus_record, is_corpus_mix, split_corpora
 from core.device import bf16_is_fast, release_memory, synchronize
 from core.errors import SmeltError
 from core.forward_copy import forward_copy, refresh
@@ -59,6 +59,9 @@ class CalibConfig:
     seq_len: int = 512
     seed: int = 0
     corpus: str = "wikitext2-valid"  # a '+'-joined mix (windows split evenly), a local path or hf:<dataset>
+    # a mix's windows: "disjoint" (no token twice) or "overlapping" (independent offsets: the CLIs' default, the
+    # sampling their recorded measurements used; a recipe that does not say asks for disjoint)
+    sampling: str = "overlapping"
     batch_size: int = 8
     sequential: bool = True  # next block's inputs come from the modified block (SparseGPT, Wanda)
     forward: str = "float32"  # block forward dtype: float32, bfloat16, or auto (bf16 where the hardware has it)
@@ -82,6 +85,8 @@ class CalibConfig:
             split_corpora(self.corpus, "calibration")
         else:
             CalibrationSourceConfig(source=self.corpus)  # a path or hub dataset: checked the same way
+        if self.sampling not in WINDOW_SAMPLING:
+            raise SmeltError(f"calibration sampling={self.sampling!r} is not one of {', '.join(WINDOW_SAMPLING)}")
         if not isinstance(self.sequential, bool):
             raise SmeltError(f"calibration sequential={self.sequential!r} must be true or false")
         if not isinstance(self.true_sequential, bool):
@@ -119,8 +124,9 @@ class CalibConfig:
         return torch.bfloat16
 
     def windows(self, tokenizer) -> torch.Tensor:
-        """[n_windows, seq_len] token windows (BOS first) from the configured corpus."""
-        return calibration_windows(tokenizer, self.n_windows, self.seq_len, self.seed, self.corpus)
+        """[n_windows, seq_len] token windows (BOS first) from the configured corpus; errors name the CLI flags."""
+        return calibration_windows(tokenizer, self.n_windows, self.seq_len, self.seed, self.corpus, self.sampling,
+                                   ("--calib-windows", "--calib-seq-len"))
 
     def record(self, device: torch.device | str = "cpu") -> dict:
         """What a manifest records: these settings (the forward dtype resolved on `device`) plus the corpus's
@@ -142,6 +148,8 @@ REFIT_TARGETS = ("layer", "teacher")
 RECONSTRUCT_INPUTS = ("teacher", "student", "block")
 RECONSTRUCT_FITS = ("mlp", "block")
 HESSIAN_DTYPES = ("float64", "float32", "bfloat16", "auto")
+# prune.heads' calibration by default (its flags' defaults; the recipe's plan counts a heads stage's windows with it)
+HEADS_CALIB = CalibConfig(n_windows=32, seq_len=512, corpus="wikitext2-valid")
 
 
 def check_reconstruct(inputs: str, fit: str, prefix: str) -> None:
@@ -162,6 +170,13 @@ def add_precision_args(ap) -> None:
     ap.add_argument("--calib-hessian", default=CalibConfig.hessian, choices=HESSIAN_DTYPES,
                     help="XᵀX per batch in float64, float32 or bfloat16 (auto: bf16 where the hardware has it, else "
                          "float32), the batches summed in float64")
+
+
+def add_sampling_arg(ap) -> None:
+    """--calib-sampling (CalibConfig.sampling) on a stage's argument parser."""
+    ap.add_argument("--calib-sampling", default=CalibConfig.sampling, choices=WINDOW_SAMPLING,
+                    help="how a corpus mix's windows are drawn: disjoint (no token in two windows) or overlapping "
+                         "(independent seeded offsets)")
 
 
 def calibration_device(model: nn.Module, stream=None) -> torch.device:

@@ -100,6 +100,18 @@ def corpus_tokens(tokenizer, name: str) -> torch.Tensor:
     return cache[name]
 
 
+def corpus_token_counts(tokenizer, names: list[str]) -> list[tuple[str, int]] | None:
+    """[(corpus, its token count)] in `names`' order; None where a fetched corpus is not in the cache (this never
+    downloads)."""
+    for name in names:
+        if name in FETCHED:
+            try:
+                fetched_text(name, download=False)
+            except SmeltError:
+                return None
+    return [(name, len(corpus_tokens(tokenizer, name))) for name in names]
+
+
 def bucket_prompts(tokenizer, bucket: str, n: int, length: int, seed: int = 0) -> list[torch.Tensor]:
     """n prompts [1, length] of an evaluation bucket's text at seeded offsets, BOS first (decoding probes:
     speculative acceptance, the release's MTP check)."""
@@ -181,13 +193,72 @@ class SelfTextConfig:
         return self.prompts * self.new_tokens
 
 
-def calibration_windows(tokenizer, n: int, seq_len: int, seed: int = 0,
-                        corpus: str = "wikitext2-valid") -> torch.Tensor:
-    """[n, seq_len] windows at seeded random offsets of a training corpus, BOS first.
+# How calibration windows are drawn from each corpus of a mix: "disjoint" windows share no token (seeded distinct
+# slots of a seeded phase); "overlapping" ones start at independent seeded offsets (what the CLIs default to: the
+# sampling their recorded measurements used)
+WINDOW_SAMPLING = ("disjoint", "overlapping")
+
+
+def split_windows(n: int, parts: int) -> list[int]:
+    """n windows split evenly between `parts` corpora, the first parts taking the remainder."""
+    return [n // parts + (i < n % parts) for i in range(parts)]
+
+
+def _most_disjoint(slots: list[int]) -> int:
+    """The most windows split_windows can hand to corpora holding `slots` disjoint windows each."""
+    least, extra = min(slots), 0
+    while extra < len(slots) - 1 and slots[extra] > least:
+        extra += 1
+    return least * len(slots) + extra
+
+
+def window_starts(lengths: list[tuple[str, int]], n: int, seq_len: int, seed: int = 0, sampling: str = "overlapping",
+                  fields: tuple[str, str] = ("n", "seq_len")) -> list[list[int]]:
+    """Each corpus's window offsets, in `lengths`' order ([(corpus, its token count)]): n windows of seq_len - 1
+    corpus tokens (BOS goes first) split by split_windows. "overlapping": torch.randint offsets from one seeded
+    generator, corpus after corpus; "disjoint": per corpus a seeded phase and distinct slots [phase + i*span,
+    phase + (i+1)*span), in text order, so no token is in two windows. `fields` name n and seq_len in errors."""
+    if sampling not in WINDOW_SAMPLING:
+        raise SmeltError(f"calibration sampling {sampling!r} is not one of {', '.join(WINDOW_SAMPLING)}")
+    span, g, out = seq_len - 1, torch.Generator().manual_seed(seed), []
+    for name, length in lengths:
+        if length <= span:
+            raise SmeltError(f"corpus {name} has {length} tokens, fewer than seq_len={seq_len}")
+    counts = split_windows(n, len(lengths))
+    slots = [length // span for _, length in lengths]
+    for (name, length), count, fit in zip(lengths, counts, slots, strict=True):
+        if sampling == "overlapping":
+            out.append(torch.randint(0, length - span, (count,), generator=g).tolist())
+            continue
+        if count > fit:
+            raise SmeltError(f"{fields[0]}={n} disjoint windows of {fields[1]}={seq_len} do not fit: corpus {name} "
+                             f"({length} tokens) holds {fit}, {count} asked; at most {_most_disjoint(slots)} fit"
+                             + f" over {len(lengths)} corpora" * (len(lengths) > 1))
+        phase = int(torch.randint(0, length - fit * span + 1, (1,), generator=g))
+        picks = torch.randperm(fit, generator=g)[:count].sort().values
+        out.append((phase + picks * span).tolist())
+    return out
+
+
+def distinct_tokens(starts: list[list[int]], seq_len: int) -> int:
+    """How many corpus token positions window_starts' windows cover (BOS excluded): each corpus's union."""
+    span, total = seq_len - 1, 0
+    for part in starts:
+        end = 0
+        for s in sorted(part):
+            total += max(0, s + span - max(s, end))
+            end = max(end, s + span)
+    return total
+
+
+def calibration_windows(tokenizer, n: int, seq_len: int, seed: int = 0, corpus: str = "wikitext2-valid",
+                        sampling: str = "overlapping", fields: tuple[str, str] = ("n", "seq_len")) -> torch.Tensor:
+    """[n, seq_len] windows at seeded offsets of a training corpus, BOS first (window_starts: `sampling`).
 
     A '+'-joined corpus splits the n windows evenly between its parts (the first parts take the
     remainder), so every language the mix names is calibrated on. Any other source (a local path or
-    hf:<dataset>) is streamed through core.text_source: its first n windows after a seeded shuffle."""
+    hf:<dataset>) is streamed through core.text_source: its first n windows after a seeded shuffle (consecutive
+    packed chunks, whatever `sampling` says)."""
     if not is_corpus_mix(corpus):
         # Here, not at the top: core.text_source imports this module.
         from core.text_source import calibration_source_windows
@@ -198,14 +269,10 @@ def calibration_windows(tokenizer, n: int, seq_len: int, seed: int = 0,
     if n < len(names):
         raise SmeltError(f"calibration n_windows={n} is fewer than the {len(names)} corpora in {corpus!r}: "
                          f"each needs at least one window")
-    span, g, parts = seq_len - 1, torch.Generator().manual_seed(seed), []
-    for i, name in enumerate(names):
-        count = n // len(names) + (i < n % len(names))
-        ids = corpus_tokens(tokenizer, name)
-        if len(ids) <= span:
-            raise SmeltError(f"corpus {name} has {len(ids)} tokens, fewer than seq_len={seq_len}")
-        starts = torch.randint(0, len(ids) - span, (count,), generator=g)
-        parts += [ids[s:s + span] for s in starts.tolist()]
+    ids = [corpus_tokens(tokenizer, name) for name in names]
+    starts = window_starts([(name, len(t)) for name, t in zip(names, ids, strict=True)], n, seq_len, seed, sampling,
+                           fields)
+    parts = [t[s:s + seq_len - 1] for t, part in zip(ids, starts, strict=True) for s in part]
     return _with_bos(torch.stack(parts), bos_id(tokenizer))
 
 

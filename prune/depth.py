@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from core.artifact import parent_record, write_manifest
-from core.calibrate import CalibConfig
+from core.calibrate import CalibConfig, add_sampling_arg
 from core.device import default_device
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_dir
@@ -126,10 +126,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calib-windows", type=int, default=32)
     ap.add_argument("--calib-seq-len", type=int, default=512)
     ap.add_argument("--calib-corpus", default="wikitext2-valid")
+    add_sampling_arg(ap)
     ap.add_argument("--kl-windows", type=int, default=8, help="windows for the drop-KL score (0: skip it)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    cfg = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, corpus=args.calib_corpus)
+    cfg = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, corpus=args.calib_corpus,
+                      sampling=args.calib_sampling)
     out = Path(args.out)
     if out.exists():
         raise SmeltError(f"--out {out} already exists")

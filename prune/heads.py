@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from core.calibrate import CalibConfig, run_blocks
+from core.calibrate import HEADS_CALIB, CalibConfig, add_sampling_arg, run_blocks
 from core.data import corpus_tokens, is_corpus_mix
 from core.device import default_device, machine_record
 from core.errors import ArgumentParser, SmeltError, run_cli
@@ -156,16 +156,19 @@ def main(argv: list[str] | None = None) -> None:
     ap = ArgumentParser(prog="python -m prune.heads", description=__doc__.split("\n")[0])
     ap.add_argument("--teacher", default=DEFAULT_TEACHER, help="registered name, .gguf or HF directory")
     ap.add_argument("--model", help="HF model directory to score (default: the teacher)")
-    ap.add_argument("--calib-windows", type=int, default=32, help="windows for sink and importance scores")
-    ap.add_argument("--calib-seq-len", type=int, default=512)
-    ap.add_argument("--calib-corpus", default="wikitext2-valid", help="training text (never evaluation text)")
+    ap.add_argument("--calib-windows", type=int, default=HEADS_CALIB.n_windows,
+                    help="windows for sink and importance scores")
+    ap.add_argument("--calib-seq-len", type=int, default=HEADS_CALIB.seq_len)
+    ap.add_argument("--calib-corpus", default=HEADS_CALIB.corpus, help="training text (never evaluation text)")
+    add_sampling_arg(ap)
     ap.add_argument("--needle-lengths", default="512,1024", help="prompt lengths of the retrieval probe")
     ap.add_argument("--needle-samples", type=int, default=4, help="prompts per (length, depth)")
     ap.add_argument("--top-k", type=int, default=4, help="protected heads per score (sink, retrieval)")
     ap.add_argument("--out", required=True, help="the scores JSON")
     ap.add_argument("--png", help="layer x head maps")
     args = ap.parse_args(argv)
-    calib = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, corpus=args.calib_corpus)
+    calib = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, corpus=args.calib_corpus,
+                        sampling=args.calib_sampling)
     try:
         lengths = tuple(int(n) for n in args.needle_lengths.split(","))
     except ValueError:

@@ -33,6 +33,7 @@ from core.calibrate import (
     REFIT_TARGETS,
     CalibConfig,
     add_precision_args,
+    add_sampling_arg,
     calibration_device,
     run_blocks,
     shared_inputs,
@@ -268,6 +269,7 @@ def _parse_args(argv):
                     help="training corpus or a '+'-joined mix (wikitext2-valid+code-train+zh-train), a local "
                          "text/jsonl/parquet file or folder, or hf:<dataset>")
     ap.add_argument("--seed", type=int, default=CalibConfig.seed)
+    add_sampling_arg(ap)
     add_precision_args(ap)
     ap.add_argument("--blocksize", type=int, default=128, help="SparseGPT column block")
     ap.add_argument("--percdamp", type=float, default=0.01, help="Hessian dampening, fraction of mean(diag H)")
@@ -323,8 +325,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SmeltError("--calib-true-sequential needs sequential calibration (drop --no-sequential)")
     cfg = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, seed=args.seed,
                       batch_size=args.calib_batch_size, sequential=not args.no_sequential,
-                      corpus=args.calib_corpus, forward=args.calib_forward, hessian=args.calib_hessian,
-                      true_sequential=args.calib_true_sequential)
+                      corpus=args.calib_corpus, sampling=args.calib_sampling, forward=args.calib_forward,
+                      hessian=args.calib_hessian, true_sequential=args.calib_true_sequential)
     if args.method in HESSIAN_METHODS or args.refit:
         cfg.check_dampening(args.percdamp, default_device())
     skip = tuple(s.strip() for s in args.skip.split(",") if s.strip())
