@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from core.errors import SmeltError
+from core.hf_names import to_hf_name
 from core.packing import unpack_24, unpack_int4
 from core.safetensors_stream import SafetensorsReader
 
@@ -159,7 +161,7 @@ class ReleaseReader:
         self.info = sparsity_info(self.rel)
         self.declared = self.info.get("modules", {})
         self._by_mod: dict[str, dict[str, str]] = {}
-        for key in self.model.keys():
+        for key in self.model.keys():  # noqa: SIM118 - a reader, not a dict
             mod, _, param = key.rpartition(".")
             if param.startswith("weight_"):
                 self._by_mod.setdefault(mod, {})[param] = key
@@ -209,3 +211,29 @@ def read_release_linears(rel: str | Path) -> dict[str, ReleaseLinear]:
     reader = ReleaseReader(rel)
     quant_args(reader.config)
     return {mod: reader.linear(mod) for mod in reader.modules}
+
+
+class ReleaseWeights:
+    """A release's weights by our parameter names, in fp32, a module at a time (models.source_model's
+    source): quantized Linears decompressed as loaders do (codes x scales), the rest as shipped."""
+
+    def __init__(self, reader: ReleaseReader):
+        self.reader, self.quantized = reader, set(reader.modules)
+
+    def _quantized(self, name: str) -> str | None:
+        mod = to_hf_name(name).removesuffix(".weight")
+        return mod if mod in self.quantized else None
+
+    def get(self, name: str) -> torch.Tensor:
+        mod = self._quantized(name)
+        return self.reader.linear(mod).weight() if mod else self.reader.model.get(to_hf_name(name)).float()
+
+    def rows(self, name: str, ids: list[int]) -> torch.Tensor:
+        return self.get(name)[ids] if self._quantized(name) else self.reader.model.take(to_hf_name(name), ids).float()
+
+    def row_blocks(self, name: str):
+        if self._quantized(name):
+            yield self.get(name)
+            return
+        for rows in self.reader.model.row_blocks(to_hf_name(name)):
+            yield rows.float()

@@ -99,6 +99,7 @@ class StreamedSafetensors:
 
 
 _FROM_CODE = {code: dtype for dtype, code in _DTYPES.items()}
+ROW_BLOCK_BYTES = 256 << 20  # a large tensor read in blocks (an 8B model's embedding is 2 GB in fp32)
 
 
 class SafetensorsReader:
@@ -165,3 +166,18 @@ class SafetensorsReader:
             raise SmeltError(f"{self.path}: tensor {name} has {int((~torch.isfinite(out)).sum())} non-finite "
                              "value(s) (NaN/inf); refusing to load it")
         return out
+
+    def take(self, name: str, ids: list[int]) -> torch.Tensor:
+        """Rows `ids` of a tensor, in that order (an embedding's rows for a few tokens)."""
+        return torch.cat([self.rows(name, i, i + 1) for i in ids]) if ids else self.rows(name, 0, 0)
+
+    def row_blocks(self, name: str, max_bytes: int = ROW_BLOCK_BYTES):
+        """The tensor in blocks of rows of at most `max_bytes` (a 0-d or 1-d tensor: whole)."""
+        dtype, shape, _ = self._entry(name)
+        if len(shape) < 2:
+            yield self.get(name)
+            return
+        row = torch.Size(shape[1:]).numel() * torch.empty((), dtype=dtype).element_size()
+        step = max(1, max_bytes // max(row, 1))
+        for a in range(0, shape[0], step):
+            yield self.rows(name, a, min(a + step, shape[0]))

@@ -24,16 +24,17 @@ from tqdm import tqdm
 from core.artifact import read_manifest
 from core.data import bucket_prompts
 from core.errors import ArgumentParser, SmeltError, run_cli
-from core.files import atomic_dir, read_safetensors, save_safetensors, sha256_file
+from core.files import atomic_dir, save_safetensors, sha256_file
 from core.hf_names import to_hf_name
 from core.masks import DENSE_ROWS, MASKS_FILE
-from core.safetensors_stream import SafetensorsReader, StreamedSafetensors
 from core.packing import pack_24, pack_int4, unpack_24_positions
 from core.patterns import NMPattern
 from core.release_layout import (COMPRESSED_LAYOUT, RELEASE_MANIFEST, SPARSITY_FILE, SPARSITY_JSON, SPARSITY_LAYOUT,
                                  STORAGES, pack_mask, read_release_linears, row_ranges, sparsity_info)
-from models.hf_io import load_hf, load_tokenizer, read_hf_config, safetensors_files
+from core.safetensors_stream import SafetensorsReader, StreamedSafetensors
+from models.hf_io import config_from_hf, load_tokenizer, read_hf_config, safetensors_files
 from models.mtp import MTP_FILE, load_mtp, main_fingerprint, mtp_metadata
+from models.source_model import source_model
 from models.speculative import acceptance_probe
 from qat.qparams import QPARAMS_FILE, read_qparams, spec_to_dict
 from qat.quantizers import QuantSpec, check_group, dequantize, quantize
@@ -171,16 +172,16 @@ def _round_to(params, dtype: torch.dtype, keep: set[str]) -> None:
                 p.copy_(p.to(dtype).to(p.dtype))
 
 
-def mtp_record(art: Path, dtype: torch.dtype, quantized: set[str]) -> dict | None:
+def mtp_record(art: Path, src: ArtifactTensors, dtype: torch.dtype, quantized: set[str]) -> dict | None:
     """What the release says about its MTP modules: depth, the main model they were trained against (and
     whether that is the released one), and their greedy acceptance on fixed prompts (the verifier re-runs
-    it), measured with the weights as shipped: `quantized` Linears exact, the rest in `dtype`."""
+    it), measured with the weights as shipped: `quantized` Linears exact, the rest in `dtype` (a model larger
+    than memory streams its blocks: models.source_model)."""
     meta = mtp_metadata(art)
     if meta is None:
         return None
-    model = load_hf(art).eval()
+    model = source_model(config_from_hf(read_hf_config(art)), ShippedWeights(src, dtype, quantized))
     heads = load_mtp(art, model, check_fingerprint=False)
-    _round_to(model.named_parameters(), dtype, quantized)
     _round_to(heads.named_parameters(), dtype, set())
     tokenizer = load_tokenizer(art)
     p = MTP_PROBE
@@ -207,15 +208,13 @@ def compressed_24(name: str, q: torch.Tensor, keep: torch.Tensor, dense_rows: to
     return out
 
 
-ROW_BLOCK_BYTES = 256 << 20  # unquantized tensors (an 8B model's embedding: 2 GB in fp32) are copied in blocks
-
-
 class ArtifactTensors:
     """An artifact's weights by HF name, read one tensor (or block of rows) at a time from its safetensors
     files: a release of a model larger than memory holds one module at a time."""
 
     def __init__(self, art: Path):
-        self._by_name = {k: r for f in safetensors_files(art) for r in [SafetensorsReader(f)] for k in r.keys()}
+        self._by_name = {k: r for f in safetensors_files(art) for r in [SafetensorsReader(f)]
+                         for k in r.keys()}  # noqa: SIM118 - a reader, not a dict
         self.names = sorted(self._by_name)
 
     def __contains__(self, name: str) -> bool:
@@ -230,16 +229,33 @@ class ArtifactTensors:
     def get(self, name: str) -> torch.Tensor:
         return self._by_name[name].get(name)
 
+    def take(self, name: str, ids: list[int]) -> torch.Tensor:
+        return self._by_name[name].take(name, ids)
+
     def row_blocks(self, name: str):
-        """The tensor in blocks of rows of at most ROW_BLOCK_BYTES (a 0-d or 1-d tensor: whole)."""
-        reader, shape = self._by_name[name], self.shape(name)
-        if len(shape) < 2:
-            yield reader.get(name)
-            return
-        row = torch.Size(shape[1:]).numel() * torch.empty((), dtype=self.dtype(name)).element_size()
-        step = max(1, ROW_BLOCK_BYTES // max(row, 1))
-        for a in range(0, shape[0], step):
-            yield reader.rows(name, a, min(a + step, shape[0]))
+        return self._by_name[name].row_blocks(name)
+
+
+class ShippedWeights:
+    """The artifact's weights as the release ships them, by our names, in fp32 (models.source_model's source):
+    quantized Linears exact (on their grid), everything else rounded to the serving dtype."""
+
+    def __init__(self, src: ArtifactTensors, dtype: torch.dtype, quantized: set[str]):
+        self.src, self.dtype, self.quantized = src, dtype, quantized
+
+    def _shipped(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        t = t.float()
+        return t if name.removesuffix(".weight") in self.quantized else t.to(self.dtype).float()
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._shipped(name, self.src.get(to_hf_name(name)))
+
+    def rows(self, name: str, ids: list[int]) -> torch.Tensor:
+        return self._shipped(name, self.src.take(to_hf_name(name), ids))
+
+    def row_blocks(self, name: str):
+        for rows in self.src.row_blocks(to_hf_name(name)):
+            yield self._shipped(name, rows)
 
 
 class ArtifactMasks:
@@ -383,7 +399,7 @@ def build_release(artifact_dir: str | Path, out_dir: str | Path, overwrite: bool
                 "sparsity": {"pattern": str(SPARSE_24), "modules": len(sparse), "storage": sparse_storage,
                              "undeclared_masks": sorted(set(masks.names) - set(sparse))} if masks.names else None,
                 "source": str(art.resolve()),
-                "mtp": mtp_record(art, serve, set(qparams))}
+                "mtp": mtp_record(art, src, serve, set(qparams))}
     layout = [e for name in sorted(quantized) for e in _module_layout(
         name, src.shape(f"{name}.weight"), spec, name in compressed, dense_rows.get(name))]
     layout += [(k, serve if src.dtype(k).is_floating_point else src.dtype(k), src.shape(k)) for k in kept]
@@ -391,7 +407,7 @@ def build_release(artifact_dir: str | Path, out_dir: str | Path, overwrite: bool
     with atomic_dir(out, overwrite=overwrite) as tmp:
         stream = StreamedSafetensors(tmp / "model.safetensors", layout, metadata={"format": "pt"})
         try:
-            for name in tqdm(sorted(quantized), desc="pack", unit="module", disable=None):
+            for name in tqdm(sorted(quantized), desc="pack", unit="module"):
                 w = src.get(f"{name}.weight")
                 masks.check_zeros(name, w)
                 q = integer_codes(name, w, qparams[quantized[name]][0].float(), spec)

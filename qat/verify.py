@@ -13,22 +13,21 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
 
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import sha256_file
-from core.hf_names import from_hf_name
 from core.packing import unpack_24_positions
-from core.release_layout import (RELEASE_MANIFEST, SPARSITY_JSON, check_compressed, read_release_linears,
+from core.files import save_safetensors
+from core.release_layout import (RELEASE_MANIFEST, SPARSITY_JSON, ReleaseReader, ReleaseWeights, check_compressed,
                                  rows_from_ranges, sparsity_info, unpack_mask)
 from models.hf_io import config_from_hf
-from models.llama import Transformer
 from models.mtp import MTP_FILE, load_mtp
+from models.source_model import RESIDENT_BYTES, fp32_bytes, source_model
 from models.speculative import acceptance_probe
 from qat.release import COMPRESSION_FORMAT, SPARSE_24, expand_release
 
@@ -111,20 +110,13 @@ def _scheme(rel: Path, r: Report):
     return scheme
 
 
-def _check_packing(rel: Path, scheme, r: Report) -> tuple[dict[str, dict[str, torch.Tensor]], set[str]]:
-    """({quantized module: its compressed tensors}, {modules that failed}): shapes, dtypes, scale ranges."""
+def _check_packing(reader: ReleaseReader, scheme, r: Report) -> set[str]:
+    """The modules that failed: shapes, dtypes and scale ranges of every quantized module, one at a time."""
     w = scheme.weights
-    mods: dict[str, dict[str, torch.Tensor]] = {}
-    with safe_open(str(rel / "model.safetensors"), framework="pt") as f:
-        names = f.keys()  # safe_open is not iterable
-        for key in names:
-            mod, _, param = key.rpartition(".")
-            if param.startswith("weight_"):
-                mods.setdefault(mod, {})[param] = f.get_tensor(key)
     bad = set()
-    info = sparsity_info(rel)
-    compressed = info["modules"] if info.get("storage") == "compressed" else {}
-    for mod, t in sorted(mods.items()):
+    compressed = reader.declared if reader.info.get("storage") == "compressed" else {}
+    for mod in reader.modules:
+        t = reader.tensors(mod)
         if mod in compressed:  # kept codes + metadata (core.release_layout.COMPRESSED_LAYOUT)
             try:
                 _check_compressed(mod, t, compressed[mod], w)
@@ -153,11 +145,11 @@ def _check_packing(rel: Path, scheme, r: Report) -> tuple[dict[str, dict[str, to
             r.fail(f"{mod}: {e}")
         if errs:
             bad.add(mod)
-    if not mods:
+    if not reader.modules:
         r.fail("model.safetensors holds no packed weights")
     elif not bad:
-        r.ok(f"packing: {len(mods)} modules with int32 weight_packed, scales [out, in/group], all finite > 0")
-    return mods, bad
+        r.ok(f"packing: {len(reader.modules)} modules with int32 weight_packed, scales [out, in/group], all finite > 0")
+    return bad
 
 
 def _check_compressed(mod: str, t: dict[str, torch.Tensor], info: dict, w) -> None:
@@ -175,34 +167,31 @@ def _check_compressed(mod: str, t: dict[str, torch.Tensor], info: dict, w) -> No
     unpack_24_positions(t["weight_meta"], inn)  # increasing positions in every group
 
 
-def _check_sparsity(rel: Path, scheme, mods: dict, bad_mods: set[str], r: Report) -> None:
+def _check_sparsity(reader: ReleaseReader, scheme, bad_mods: set[str], r: Report) -> None:
     from compressed_tensors.compressors import PackedQuantizationCompressor  # heavy: see _scheme
 
-    p = rel / SPARSITY_JSON
-    if not p.is_file():
+    if not (reader.rel / SPARSITY_JSON).is_file():
         r.ok("sparsity: none declared")
         return
-    meta = sparsity_info(rel)
+    meta = reader.info
     if meta["storage"] == "compressed":
-        _check_compressed_sparsity(rel, meta, bad_mods, r)
+        _check_compressed_sparsity(reader, meta, bad_mods, r)
         return
-    bits = load_file(str(rel / meta["file"]))
     n_bad, skipped = 0, 0
     for mod, info in sorted(meta["modules"].items()):
         if mod in bad_mods:  # its packing failure is reported already; it cannot be decompressed
             skipped += 1
             continue
-        key = f"{mod}.keep_bits"
-        if key not in bits:
-            r.fail(f"{mod}: declared 2:4 but {meta['file']} has no {key}")
+        bits = reader.keep_bits(mod)
+        if bits is None:
+            r.fail(f"{mod}: declared 2:4 but {meta['file']} has no {mod}.keep_bits")
             n_bad += 1
             continue
-        mask = unpack_mask(bits[key], info["shape"][1])
-        if mod in mods:  # decompress exactly as loaders do: the weights are what must be sparse
-            weight = PackedQuantizationCompressor.decompress(mods[mod], scheme)["weight"]
+        mask = unpack_mask(bits, info["shape"][1])
+        if mod in reader.modules:  # decompress exactly as loaders do: the weights are what must be sparse
+            weight = PackedQuantizationCompressor.decompress(reader.tensors(mod), scheme)["weight"]
         else:
-            with safe_open(str(rel / "model.safetensors"), framework="pt") as f:
-                weight = f.get_tensor(f"{mod}.weight")
+            weight = reader.model.get(f"{mod}.weight")
         if tuple(weight.shape) != tuple(mask.shape):
             r.fail(f"{mod}: weight shape {tuple(weight.shape)} != mask shape {tuple(mask.shape)}")
             n_bad += 1
@@ -225,18 +214,18 @@ def _check_sparsity(rel: Path, scheme, mods: dict, bad_mods: set[str], r: Report
              "and masks")
 
 
-def _check_compressed_sparsity(rel: Path, meta: dict, bad_mods: set[str], r: Report) -> None:
+def _check_compressed_sparsity(reader: ReleaseReader, meta: dict, bad_mods: set[str], r: Report) -> None:
     """The compressed storage holds 2:4 by construction; decompress anyway and count, as loaders would see it."""
-    try:
-        linears = read_release_linears(rel)
-    except SmeltError as e:
-        r.fail(f"reading the compressed 2:4 modules: {e}")
-        return
     n_bad = 0
     for mod, info in sorted(meta["modules"].items()):
         if mod in bad_mods:
             continue
-        q = linears[mod].codes()
+        try:
+            q = reader.linear(mod).codes()
+        except SmeltError as e:
+            r.fail(f"reading the compressed 2:4 module {mod}: {e}")
+            n_bad += 1
+            continue
         dense = rows_from_ranges(info.get("dense_rows", []), q.shape[0])
         over = int(((q[~dense] != 0).reshape(-1, 4).sum(-1) > 2).sum())
         if over:
@@ -247,37 +236,85 @@ def _check_compressed_sparsity(rel: Path, meta: dict, bad_mods: set[str], r: Rep
              "2:4 storage decompress to 2:4")
 
 
-def _check_load(rel: Path, r: Report, n_tokens: int = 8):
-    """transformers loads the release and gives finite logits; returns the loaded model (None on failure)."""
+CUT_VOCAB = 4096  # vocabulary rows the transformers load keeps of a model too large to load whole
+
+
+def _cut_release(rel: Path, out: Path) -> Path:
+    """The release's first block, final norm and first CUT_VOCAB embedding and head rows as a release of its own
+    (config.json says 1 block and CUT_VOCAB tokens): what transformers loads of a model too large for memory."""
+    reader = ReleaseReader(rel)
+    config = dict(reader.config, num_hidden_layers=1)
+    head_quantized = "lm_head" in reader.modules
+    if not head_quantized:
+        config["vocab_size"] = min(CUT_VOCAB, int(config["vocab_size"]))
+    parts = ("model.layers.0.", "model.norm.", "model.embed_tokens.", "lm_head.")
+    keep = [k for k in reader.model.keys() if k.startswith(parts)]  # noqa: SIM118 - a reader, not a dict
+    out.mkdir(parents=True)
+    tensors = {}
+    for k in keep:
+        cut = k in ("model.embed_tokens.weight", "lm_head.weight") and not head_quantized
+        tensors[k] = reader.model.rows(k, 0, config["vocab_size"]) if cut else reader.model.get(k)
+    save_safetensors(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    info = reader.info
+    if info:
+        modules = {m: v for m, v in info["modules"].items() if m.startswith("model.layers.0.")}
+        (out / SPARSITY_JSON).write_text(json.dumps({**info, "modules": modules}, indent=2) + "\n")
+        if info["storage"] == "mask":
+            save_safetensors({f"{m}.keep_bits": reader.keep_bits(m) for m in modules}, out / info["file"],
+                             metadata={"format": "smelt-sparsity/1"})
+    shutil.copy2(rel / RELEASE_MANIFEST, out / RELEASE_MANIFEST)  # qat.release --expand reads its settings
+    return out
+
+
+def _check_load(rel: Path, r: Report, n_tokens: int = 8) -> None:
+    """transformers loads the release and gives finite logits. A model whose fp32 weights pass
+    models.source_model.RESIDENT_BYTES is loaded cut to its first block and CUT_VOCAB tokens, and the whole
+    of it runs decompressed a block at a time instead, so that the check fits in memory."""
     from transformers import AutoModelForCausalLM  # heavy: only the load check
 
-    if sparsity_info(rel).get("storage") == "compressed":  # loaders read it through the documented converter
-        with tempfile.TemporaryDirectory() as tmp:
-            try:
-                expanded = expand_release(rel, Path(tmp) / "expanded")
-            except Exception as e:  # noqa: BLE001 - a failed conversion is a failed check
-                r.fail(f"qat.release --expand failed: {_first_line(e)}")
-                return None
+    cfg = config_from_hf(json.loads((rel / "config.json").read_text()))
+    whole = fp32_bytes(cfg) <= RESIDENT_BYTES
+    ids = (torch.arange(n_tokens) * 7919 % cfg.vocab_size)[None]  # a few spread-out token ids
+    with tempfile.TemporaryDirectory() as tmp:
+        loaded = rel
+        try:
+            if not whole:
+                loaded = _cut_release(rel, Path(tmp) / "cut")
+            if sparsity_info(loaded).get("storage") == "compressed":  # loaders read it through the converter
+                loaded = expand_release(loaded, Path(tmp) / "expanded")
+        except Exception as e:  # noqa: BLE001 - a failed conversion is a failed check
+            r.fail(f"preparing the release for transformers failed: {_first_line(e)}")
+            return
+        if loaded.name == "expanded":
             r.ok("qat.release --expand converts the compressed 2:4 storage for transformers")
-            return _check_load(expanded, r, n_tokens)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(rel), dtype=torch.float32)
-        model.eval()
-        vocab = model.config.vocab_size
-        ids = (torch.arange(n_tokens) * 7919 % vocab)[None]  # a few spread-out token ids
-        with torch.no_grad():
-            logits = model(ids).logits
-    except Exception as e:  # noqa: BLE001 - a load failure is a failed check, not a crash
-        r.fail(f"transformers load/forward failed: {_first_line(e)}")
-        return
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(loaded), dtype=torch.float32).eval()
+            with torch.no_grad():
+                logits = model(ids % model.config.vocab_size).logits
+        except Exception as e:  # noqa: BLE001 - a load failure is a failed check, not a crash
+            r.fail(f"transformers load/forward failed: {_first_line(e)}")
+            return
     if not torch.isfinite(logits).all():
         r.fail("transformers forward gives non-finite logits")
-        return None
-    r.ok(f"transformers {type(model).__name__} loads and gives finite logits on {n_tokens} tokens")
-    return model
+        return
+    part = "" if whole else f" its first block and {model.config.vocab_size} vocabulary rows (the whole is too large)"
+    r.ok(f"transformers {type(model).__name__} loads{part} and gives finite logits on {n_tokens} tokens")
+    if whole:
+        return
+    try:
+        with torch.no_grad():
+            logits = source_model(cfg, ReleaseWeights(ReleaseReader(rel)))(ids)
+    except Exception as e:  # noqa: BLE001 - a failed forward is a failed check
+        r.fail(f"the decompressed model's forward failed: {_first_line(e)}")
+        return
+    if not torch.isfinite(logits).all():
+        r.fail("the decompressed model gives non-finite logits")
+    else:
+        r.ok(f"the whole decompressed model, read a block at a time, gives finite logits on {n_tokens} tokens")
 
 
-def _check_mtp(rel: Path, r: Report, hf_model) -> None:
+def _check_mtp(rel: Path, r: Report, load: bool) -> None:
     """The MTP file: shapes for this main model (load_mtp checks them), and the recorded greedy acceptance
     reproduced on the release's own decompressed weights (alpha within MTP_TOLERANCE)."""
     rec = (json.loads((rel / RELEASE_MANIFEST).read_text()).get("settings") or {}).get("mtp")
@@ -285,20 +322,12 @@ def _check_mtp(rel: Path, r: Report, hf_model) -> None:
         if (rel / MTP_FILE).is_file():
             r.fail(f"{MTP_FILE} is in the release but smelt_release.json has no settings.mtp")
         return
-    if hf_model is None:
-        r.lines.append("  skip  MTP acceptance (needs the transformers load)")
+    if not load:
+        r.lines.append("  skip  MTP acceptance (--no-load)")
         return
     try:
         cfg = config_from_hf(json.loads((rel / "config.json").read_text()))
-        model = Transformer(cfg)
-        state = {from_hf_name(k): v for k, v in hf_model.state_dict().items() if k.endswith((".weight", ".bias"))}
-        missing = set(model.state_dict()) - set(state) - {"output.weight"}
-        if missing:
-            raise SmeltError(f"the loaded release has no {sorted(missing)[0]}")
-        model.load_state_dict(state, strict=False)
-        if cfg.tie_embeddings:
-            model.output.weight = model.tok_embeddings.weight
-        model.eval()
+        model = source_model(cfg, ReleaseWeights(ReleaseReader(rel)))
         heads = load_mtp(rel, model, check_fingerprint=False)
         recorded = {"depth": rec.get("depth"), "fuse_layers": rec.get("fuse_layers", [])}  # [] before fused modules
         for key, got in (("depth", heads.depth), ("fuse_layers", list(heads.fuse_layers))):
@@ -328,12 +357,13 @@ def verify_release(release_dir: str | Path, load: bool = True) -> Report:
     scheme = _scheme(rel, r)
     if scheme is not None:
         try:
-            mods, bad = _check_packing(rel, scheme, r)
-            _check_sparsity(rel, scheme, mods, bad, r)
+            reader = ReleaseReader(rel)
+            _check_sparsity(reader, scheme, _check_packing(reader, scheme, r), r)
         except Exception as e:  # noqa: BLE001 - e.g. a corrupt safetensors header
             r.fail(f"reading tensors failed: {_first_line(e)}")
-    hf_model = _check_load(rel, r) if load else None
-    _check_mtp(rel, r, hf_model)
+    if load:
+        _check_load(rel, r)
+    _check_mtp(rel, r, load)
     return r
 
 

@@ -135,6 +135,27 @@ def test_release_records_mtp_acceptance_and_verify_reproduces_it(release, tmp_pa
     assert fails == ["MTP modules: SmeltError: settings.mtp.fuse_layers=[0] in smelt_release.json, the file holds []"], fails
 
 
+def test_a_model_too_large_for_memory_releases_and_verifies_a_block_at_a_time(artifact, release, tmp_path,
+                                                                              monkeypatch, capsys):
+    """Past models.source_model.RESIDENT_BYTES (here 0) the MTP probe streams the artifact's blocks, and verify
+    loads the release into transformers cut to one block and runs the whole of it a block at a time: the same
+    probe, and every check passing."""
+    import models.source_model
+    import qat.verify
+    from qat.verify import main
+
+    monkeypatch.setattr(models.source_model, "RESIDENT_BYTES", 0)
+    monkeypatch.setattr(qat.verify, "RESIDENT_BYTES", 0)
+    monkeypatch.setattr(qat.verify, "CUT_VOCAB", 100)
+    streamed = build_release(artifact[0], tmp_path / "release", dtype="float32")
+    probe = json.loads((streamed / "smelt_release.json").read_text())["settings"]["mtp"]["probe"]
+    assert probe == json.loads((release / "smelt_release.json").read_text())["settings"]["mtp"]["probe"]
+    assert main([str(streamed)]) == 0
+    out = capsys.readouterr().out
+    assert "loads its first block and 100 vocabulary rows" in out and "read a block at a time, gives finite" in out, out
+    assert "MTP depth 1: greedy acceptance" in out
+
+
 def test_verify_catches_flipped_byte(release, tmp_path):
     rel = _copy(release, tmp_path)
     data = bytearray((rel / "model.safetensors").read_bytes())
