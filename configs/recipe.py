@@ -187,7 +187,8 @@ def corpus_lengths(tdir: Path | None):
         if tdir is None or not any((tdir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             return None
         if tokenizer is None:
-            from models.hf_io import load_tokenizer  # transformers: seconds to import, only where it is used
+            # transformers: seconds to import, only where it is used
+            from core.tokenizer import load_tokenizer
             tokenizer = load_tokenizer(tdir)
             tokenizer.model_max_length = sys.maxsize  # counted, never fed to a model: no length warning
         return corpus_token_counts(tokenizer, names)

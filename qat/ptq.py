@@ -21,6 +21,7 @@ from core.artifact import parent_record, write_manifest
 from core.calibrate import (
     CalibConfig,
     add_precision_args,
+    add_sampling_arg,
     calibration_device,
     run_blocks,
     shared_inputs,
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calib-corpus", default=CalibConfig.corpus,
                     help="training corpus or a '+'-joined mix (wikitext2-valid+code-train+zh-train), a local "
                          "text/jsonl/parquet file or folder, or hf:<dataset>")
+    add_sampling_arg(ap)
     ap.add_argument("--seed", type=int, default=0)
     add_precision_args(ap)
     ap.add_argument("--calib-true-sequential", action="store_true",
@@ -160,8 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     calib, windows = None, None
     if args.method == "gptq":  # validated before any weights load
         calib = CalibConfig(n_windows=args.calib_windows, seq_len=args.calib_seq_len, seed=args.seed,
-                            corpus=args.calib_corpus, forward=args.calib_forward, hessian=args.calib_hessian,
-                            true_sequential=args.calib_true_sequential)
+                            corpus=args.calib_corpus, sampling=args.calib_sampling, forward=args.calib_forward,
+                            hessian=args.calib_hessian, true_sequential=args.calib_true_sequential)
         calib.check_dampening(args.percdamp, default_device())
     teacher_dir = resolve_teacher(args.teacher)
     src = Path(args.artifact) if args.artifact else teacher_dir

