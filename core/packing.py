@@ -39,8 +39,13 @@ def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
     if packed.dtype != torch.int32 or packed.ndim != 2 or packed.shape[1] * INT4_PER_WORD < in_features:
         raise SmeltError(f"packed int4 must be int32 [out, >= {in_features} / 8], got "
                          f"{packed.dtype} {list(packed.shape)}")
-    nib = (packed.to(torch.int64)[..., None] >> (4 * torch.arange(INT4_PER_WORD))) & 0xF
-    return (nib.reshape(packed.shape[0], -1)[:, :in_features] - 8).to(torch.int8)
+    # int32 shifts (an arithmetic shift keeps the low nibble right) and in-place steps: a large Linear's codes
+    # cost one int32 and one int8 copy of the weight, not several int64 ones
+    nib = packed[..., None] >> (4 * torch.arange(INT4_PER_WORD, dtype=torch.int32))
+    nib &= 0xF
+    codes = nib.reshape(packed.shape[0], -1)[:, :in_features].to(torch.int8)
+    del nib
+    return codes.sub_(8)
 
 
 def check_24_shape(in_features: int, name: str = "weight") -> None:

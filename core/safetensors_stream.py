@@ -99,7 +99,7 @@ class StreamedSafetensors:
 
 
 _FROM_CODE = {code: dtype for dtype, code in _DTYPES.items()}
-ROW_BLOCK_BYTES = 256 << 20  # a large tensor read in blocks (an 8B model's embedding is 2 GB in fp32)
+ROW_BLOCK_BYTES = 64 << 20  # a large tensor read in blocks (an 8B model's embedding is 2 GB in fp32)
 
 
 class SafetensorsReader:

@@ -68,6 +68,12 @@ FLAVORS: dict[str, LlamaConfig] = {
                                 ffn_hidden=192, max_seq_len=256, tie_embeddings=False,
                                 rope_theta=500000.0),
     "smollm2-135m": LlamaConfig(),
+    # the cluster recipe's teacher shape (memory measurements with random weights; the weights come from the hub)
+    "llama3.1-8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_hidden=14336,
+                               rope_theta=500000.0, max_seq_len=131072, tie_embeddings=False, bos_id=128000,
+                               eos_id=128009, rope_scaling={"factor": 8.0, "low_freq_factor": 1.0,
+                                                            "high_freq_factor": 4.0,
+                                                            "original_max_position_embeddings": 8192}),
 }
 
 

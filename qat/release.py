@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from core.artifact import read_manifest
 from core.data import bucket_prompts
+from core.device import return_freed_memory_at_once
 from core.errors import ArgumentParser, SmeltError, run_cli
 from core.files import atomic_dir, save_safetensors, sha256_file
 from core.hf_names import to_hf_name
@@ -284,9 +285,10 @@ class ArtifactMasks:
 
 def _declared_sparsity(src: ArtifactTensors, art: Path, chain: list[dict]
                        ) -> tuple[dict[str, float], dict, ArtifactMasks]:
-    """({2:4 module: density}, {module: dense rows}, the masks), every mask checked against its weight's shape
-    and the pattern its prune stage declared before any weight is packed: a broken mask is a clearer diagnosis
-    than the off-grid error it may also cause. Unstructured masks are enforced but not declared."""
+    """({2:4 module: density}, {module: dense rows}, the masks), every mask checked against its weight (shape,
+    zeros where it prunes) and the pattern its prune stage declared before any weight is packed: a broken mask
+    is a clearer diagnosis than the off-grid error it may also cause. Unstructured masks are enforced but not
+    declared."""
     masks = ArtifactMasks(art)
     pattern, sparse = declared_pattern(chain), {}
     for name in masks.names:
@@ -296,6 +298,7 @@ def _declared_sparsity(src: ArtifactTensors, art: Path, chain: list[dict]
         rows = masks.dense_rows.get(name)
         if pattern and not pattern.holds(mask, rows):
             raise SmeltError(f"{MASKS_FILE}: {name} breaks the {pattern} pattern its prune stage declared")
+        masks.check_zeros(name, src.get(f"{name}.weight"))
         if SPARSE_24.holds(mask, rows):
             sparse[name] = round(mask.float().mean().item(), 6)
     return sparse, masks.dense_rows, masks
@@ -406,20 +409,19 @@ def build_release(artifact_dir: str | Path, out_dir: str | Path, overwrite: bool
     scheme = ct_scheme(spec)
     with atomic_dir(out, overwrite=overwrite) as tmp:
         stream = StreamedSafetensors(tmp / "model.safetensors", layout, metadata={"format": "pt"})
+        # leave=False: a bar that an error interrupts is cleared, so a bad input stays one line on stderr
         try:
-            for name in tqdm(sorted(quantized), desc="pack", unit="module"):
-                w = src.get(f"{name}.weight")
-                masks.check_zeros(name, w)
-                q = integer_codes(name, w, qparams[quantized[name]][0].float(), spec)
-                del w
-                packed = compress_module(name, q, qparams[quantized[name]][0].float(), spec, scheme)
-                if name in compressed:
-                    packed = compressed_24(name, q, masks.mask(name), dense_rows.get(name), packed)
-                for key in sorted(packed):
-                    stream.write(key, packed[key])
+            with tqdm(sorted(quantized), desc="pack", unit="module", leave=False) as bar:
+                for name in bar:
+                    w = src.get(f"{name}.weight")
+                    q = integer_codes(name, w, qparams[quantized[name]][0].float(), spec)
+                    del w
+                    packed = compress_module(name, q, qparams[quantized[name]][0].float(), spec, scheme)
+                    if name in compressed:
+                        packed = compressed_24(name, q, masks.mask(name), dense_rows.get(name), packed)
+                    for key in sorted(packed):
+                        stream.write(key, packed[key])
             for k in kept:  # embeddings, norms, an untied lm_head, Linears left dense: in the serving dtype
-                if k.removesuffix(".weight") in masks.names:
-                    masks.check_zeros(k.removesuffix(".weight"), src.get(k))
                 for rows in src.row_blocks(k):
                     stream.write(k, rows.to(serve) if rows.is_floating_point() else rows, part=True)
             stream.close()
@@ -497,6 +499,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="2:4 modules as full pack-quantized rows + keep-bits (mask: loads in transformers/vLLM) "
                          "or as kept codes + position metadata (compressed: the kernels' layout, smaller)")
     args = ap.parse_args(argv)
+    return_freed_memory_at_once()  # each module's tensors go back to the system when freed: a bounded peak
     if args.expand:
         out = expand_release(args.expand, args.out, overwrite=args.overwrite)
     else:

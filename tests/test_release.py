@@ -195,6 +195,7 @@ def test_verify_decompresses_to_check_24(release, tmp_path):
 
 
 def _cli_error(capsys, *argv: str) -> str:
+    capsys.readouterr()  # what earlier calls printed (progress bars)
     with pytest.raises(SystemExit) as e:
         run_cli(lambda: release_mod.main(list(argv)))
     assert e.value.code == 2
