@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
@@ -22,6 +22,17 @@ def like(src: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     if hasattr(ref, "device_mesh"):
         return distribute_tensor(src.to(ref.device), ref.device_mesh, ref.placements)
     return src.to(ref.device)
+
+
+def like_part(part: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """`part`, this rank's rows of a tensor with ref's rows (read at local_slices(ref)[0]), laid out like `ref`:
+    a DTensor sharded as ref is, built from the parts without communication; for a plain `ref`, the part (the
+    whole) on its device. Its other dims may differ from ref's (a [out, 1] flag per row of an [out, in] weight)."""
+    if hasattr(ref, "device_mesh"):
+        shape = (ref.shape[0], *part.shape[1:])
+        return DTensor.from_local(part.to(ref.device), ref.device_mesh, ref.placements, run_check=False,
+                                  shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+    return part.to(ref.device)
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:

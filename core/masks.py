@@ -74,12 +74,12 @@ def load_masks(art_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_dense_rows(art_dir: str | Path) -> dict[str, torch.Tensor]:
-    """{our module name: bool [out_features]} rows declared dense ({} when none)."""
+    """{our module name: bool [out_features]} rows declared dense ({} when none); the masks are not read."""
     p = Path(art_dir) / MASKS_FILE
     if not p.is_file():
         return {}
-    tensors, _ = load_side_file(p)
-    return {module: t.bool() for (module, suffix), t in tensors.items() if suffix == DENSE_ROWS}
+    f = SideFileOnDisk(p)
+    return {module: f[(module, suffix)].bool() for module, suffix in f.keys() if suffix == DENSE_ROWS}  # noqa: SIM118 - a file, not a dict
 
 
 class MasksOnDisk:
@@ -99,3 +99,13 @@ class MasksOnDisk:
         if module not in self:
             raise KeyError(module)
         return self.file[(module, "")].bool()
+
+    def names(self) -> list[str]:
+        return [] if self.file is None else [m for m, suffix in self.file.keys() if not suffix]  # noqa: SIM118 - a file, not a dict
+
+    def shape(self, module: str) -> tuple[int, ...]:
+        return self.file.shape((module, ""))
+
+    def part(self, module: str, slices: tuple[slice, ...]) -> torch.Tensor:
+        """The part `slices` of a module's mask (a rank's shard: core.dtensor.local_slices), read alone."""
+        return self.file.part((module, ""), slices).bool()

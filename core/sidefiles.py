@@ -104,3 +104,14 @@ class SideFileOnDisk:
             t = f.get_tensor(self._keys[item])
         check_finite(self._keys[item], t, self.path)
         return t
+
+    def shape(self, item) -> tuple[int, ...]:
+        with open_safetensors(self.path) as f:
+            return tuple(f.get_slice(self._keys[item]).get_shape())
+
+    def part(self, item, slices: tuple[slice, ...]) -> torch.Tensor:
+        """The part `slices` of one tensor, reading only its bytes (a rank's shard)."""
+        with open_safetensors(self.path) as f:
+            t = f.get_slice(self._keys[item])[slices]
+        check_finite(self._keys[item], t, self.path)
+        return t

@@ -279,3 +279,29 @@ def test_the_trainer_refuses_srste_without_masks_or_in_qat(srste_dirs, tmp_path)
     cfg.mask_learning = MaskLearningConfig(mode="maskllm")
     with pytest.raises(SmeltError, match="maskllm needs a --teacher model"):
         check_config(cfg)
+
+
+def test_masks_are_read_per_rank_rows_and_dense_rows_without_the_masks(tmp_path, monkeypatch):
+    """The trainer's MaskSet reads masks.safetensors through MasksOnDisk: each rank reads its rows of each mask
+    (local_slices of the weight), and the dense rows come without reading a mask."""
+    import core.sidefiles
+    from core.masks import MasksOnDisk
+
+    model = build_model(tiny_config(), seed=0)
+    name = "layers.0.feed_forward.w1"
+    keep = NMPattern(2, 4).keep_top(torch.randn(model.layers["0"].feed_forward.w1.weight.shape))
+    rows = torch.zeros(keep.shape[0], dtype=torch.bool)
+    rows[:3] = True
+    keep[rows] = True
+    save_masks(model, {name: keep}, tmp_path, {name: rows})
+    on_disk = MasksOnDisk(tmp_path)
+    assert on_disk.names() == [name] and on_disk.shape(name) == tuple(keep.shape)
+    assert torch.equal(on_disk.part(name, (slice(5, 9), slice(0, keep.shape[1]))), keep[5:9])
+    read = []
+    monkeypatch.setattr(core.sidefiles.SideFileOnDisk, "__getitem__",
+                        lambda self, item, get=core.sidefiles.SideFileOnDisk.__getitem__: read.append(item) or get(self, item))
+    assert torch.equal(load_dense_rows(tmp_path)[name], rows) and read == [(name, "weight_dense_rows")]
+    a = MaskSet(model, on_disk, MaskLearningConfig(mode="srste"), {name: rows}, 4)
+    b = MaskSet(model, load_masks(tmp_path), MaskLearningConfig(mode="srste"), {name: rows}, 4)
+    assert [(n, torch.equal(m, keep)) for n, _, m in a.pairs] == [(name, True)]
+    assert torch.equal(a.pinned[name], b.pinned[name])

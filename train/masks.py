@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from core.dtensor import like, local
+from core.dtensor import like_part, local, local_slices
 from core.errors import SmeltError
 from core.patterns import NMPattern
 
@@ -132,11 +132,28 @@ def changed_groups(before: torch.Tensor, after: torch.Tensor, m: int) -> torch.T
     return (before != after).reshape(-1, m).any(dim=-1).sum()
 
 
+class _InMemory:
+    """Masks held in a dict, read like core.masks.MasksOnDisk (names, shape, part)."""
+
+    def __init__(self, masks: dict[str, torch.Tensor]):
+        self.masks = masks
+
+    def names(self) -> list[str]:
+        return list(self.masks)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.masks[name].shape)
+
+    def part(self, name: str, slices: tuple[slice, ...]) -> torch.Tensor:
+        return self.masks[name][slices].bool()
+
+
 class MaskSet:
     def __init__(self, model: nn.Module, masks: dict[str, torch.Tensor],
                  learning: MaskLearningConfig | None = None, dense_rows: dict[str, torch.Tensor] | None = None,
                  steps: int = 0, dense_source: nn.Module | None = None):
-        """masks: {module name: bool keep-mask shaped like module.weight}; dense_rows: {module name: bool
+        """masks: {module name: bool keep-mask shaped like module.weight}, or core.masks.MasksOnDisk (each rank
+        reads only its rows of each mask); dense_rows: {module name: bool
         [out_features]} (core.masks); steps: the run's step count (the freeze schedule); dense_source: the
         dense model (maskllm: the teacher, sharded like the student) whose weights fill the pruned latents."""
         self.learning = learning or MaskLearningConfig()
@@ -153,23 +170,27 @@ class MaskSet:
         self.moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # maskllm: the logits' Adam moments
         self.flipped: torch.Tensor | None = None   # groups the last re-selection changed (this rank)
         self._soft_step = 0                        # maskllm: the step whose soft masks the weights hold
-        for name, mask in masks.items():
+        masks = masks if hasattr(masks, "part") else _InMemory(masks)
+        for name in masks.names():
             mod = modules.get(name)
             if mod is None or not hasattr(mod, "weight"):
                 raise SmeltError(f"mask for {name!r} has no matching module with a weight in the model")
             w = mod.weight
-            if tuple(mask.shape) != tuple(w.shape):
-                raise SmeltError(f"mask for {name} has shape {tuple(mask.shape)}, weight is {tuple(w.shape)}")
-            self.pairs.append((name, w, like(mask.bool().clone(), w)))  # updated in place when learning
+            if tuple(masks.shape(name)) != tuple(w.shape):
+                raise SmeltError(f"mask for {name} has shape {tuple(masks.shape(name))}, weight is {tuple(w.shape)}")
+            rows_at = local_slices(w)[0]  # this rank's rows: the mask is read only there (FSDP2 shards dim 0)
+            mask = masks.part(name, local_slices(w))
+            self.pairs.append((name, w, like_part(mask.clone(), w)))  # updated in place when learning
             if self.learns:
                 rows = (dense_rows or {}).get(name)
-                if not self.learning.nm.holds(mask, rows):
+                rows = rows[rows_at] if rows is not None else None
+                if not self.learning.nm.holds(mask, rows):  # groups lie within rows: each rank checks its own
                     raise SmeltError(f"mask_learning.pattern {self.learning.nm}: the mask of {name} does not "
                                      f"hold it (re-selection keeps the artifact's pattern)")
                 pinned = torch.zeros(mask.shape[0], 1, dtype=torch.bool)
                 if rows is not None:
                     pinned[rows] = True
-                self.pinned[name] = like(pinned, w)  # row-sharded like the weight, broadcast over inputs
+                self.pinned[name] = like_part(pinned, w)  # row-sharded like the weight, broadcast over inputs
                 self.latent[name] = w.detach().clone()  # the loaded weights (a resume overwrites them)
             if self.maskllm:
                 src = getattr(dense_modules.get(name), "weight", None)
@@ -179,9 +200,10 @@ class MaskSet:
                 lat, keep = local(self.latent[name]), local(self.pairs[-1][2])
                 with torch.no_grad():
                     lat.copy_(torch.where(keep, lat, local(src).to(lat.dtype)))
-                start = prior_logits(mask.bool(), self.cands, self.learning.prior)
-                self.logits[name] = like(start, w)  # sharded by rows like the weight (DCP saves each shard)
-                self.moments[name] = (like(torch.zeros_like(start), w), like(torch.zeros_like(start), w))
+                start = prior_logits(mask, self.cands, self.learning.prior)  # row by row: this rank's rows
+                self.logits[name] = like_part(start, w)  # sharded by rows like the weight (DCP saves each shard)
+                zeros = torch.zeros_like(start)
+                self.moments[name] = (like_part(zeros, w), like_part(zeros.clone(), w))
 
     def __len__(self) -> int:
         return len(self.pairs)

@@ -43,7 +43,7 @@ from core.device import peak_rss_gib
 from core.dtensor import full, local
 from core.errors import SmeltError
 from core.files import atomic_write_text
-from core.masks import MASKS_FILE, load_dense_rows, load_masks
+from core.masks import MASKS_FILE, MasksOnDisk, load_dense_rows
 from core.runlock import RunLock
 from core.teacher_topk import TopKCache
 from distill.losses import hidden_divergence
@@ -176,7 +176,7 @@ class SmeltTrainer(Trainer):
         self.teacher = self._build_teacher(teacher_dir) if teacher_dir and not own_target else None
         self.distills = self.teacher is not None or bool(cache) or own_target
         self._hidden = self._hook_hidden(config) if config.loss.hidden_keys else None
-        self.masks = MaskSet(self.student, load_masks(config.student), config.mask_learning,
+        self.masks = MaskSet(self.student, MasksOnDisk(config.student), config.mask_learning,
                              load_dense_rows(config.student), config.training.steps, dense_source=self.teacher)
         bad = torch.tensor(self.masks.violations(), device=self.device)  # this rank's shards only
         if dist.is_initialized():
