@@ -1,6 +1,6 @@
 """Peak memory of `qat.release` and `qat.verify` on a model larger than this machine's memory.
 
-    python -m qat.release_memory [--flavor llama3.1-8b] [--workdir DIR] [--out results/qat/release-memory.json]
+    python -m qat.release_memory [--flavor llama3.1-8b] [--workdir DIR] [--out results/release-memory/FLAVOR.json]
                                  [--limit-gib 4] [--keep]
 
 Writes a random artifact of the flavor's shape block by block (never held whole: fp32 weights on the
@@ -124,11 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(prog="python -m qat.release_memory", description=__doc__.split("\n\n")[0])
     ap.add_argument("--flavor", default="llama3.1-8b", choices=sorted(FLAVORS), help="the model shape")
     ap.add_argument("--workdir", help="where the artifact and release go (default: a temporary directory)")
-    ap.add_argument("--out", default="results/qat/release-memory.json", help="the JSON written")
+    ap.add_argument("--out", help="the JSON written (default: results/release-memory/<flavor>.json, the docs' table)")
     ap.add_argument("--limit-gib", type=float, default=4.0, help="the peak resident set each command must stay under")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     args = ap.parse_args(argv)
     cfg = FLAVORS[args.flavor]
+    out = Path(args.out or f"results/release-memory/{args.flavor}.json")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="smelt-release-memory-"))
     if work.exists() and any(work.iterdir()):
         raise SmeltError(f"--workdir {work} is not empty")
@@ -154,13 +155,13 @@ def main(argv: list[str] | None = None) -> int:
                             and len(runs) == 2,
             "machine": machine_record(),
         }
-        atomic_write_text(args.out, json.dumps(record, indent=2) + "\n")
+        atomic_write_text(out, json.dumps(record, indent=2) + "\n")
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     for name, r in runs.items():
         print(f"{name}: exit {r['exit_status']}, peak RSS {r['max_rss_bytes'] / (1 << 30):.2f} GiB, {r['wall_s']} s")
-    print(f"written {args.out}")
+    print(f"written {out}")
     return 0 if record["within_limit"] else 1
 
 
