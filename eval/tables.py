@@ -238,7 +238,7 @@ def render_peak_memory(name: str, section: dict) -> str:
         rep = r["report"]
         for run in rep["runs"].values():
             rss = run.get("max_rss_bytes")
-            lines.append(f"| {_cell(r['label'])} | `{_cell(run['command'].split(' /')[0])}` | "
+            lines.append(f"| {_cell(r['label'])} | `{_cell(run['command'].split()[0])}` | "
                          f"{f'{rss / 2**30:.2f} GiB' if rss else MISSING} | {rep['limit_bytes'] / 2**30:.1f} GiB | "
                          f"{run['wall_s'] / 60:.1f} min | {run['exit_status']} |")
     machine = _grouped(section["rows"], lambda r: _machine_line(r["report"].get("machine")))

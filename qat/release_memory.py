@@ -113,7 +113,14 @@ def timed(cmd: list[str], log: Path) -> dict:
     rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
     return {"command": " ".join(cmd[2:] if cmd[1] == "-m" else cmd), "exit_status": rc,
             "max_rss_bytes": int(rss.group(1)) * 1024 if rss else None, "wall_s": round(time.time() - t0, 1),
-            "output_tail": [ln for ln in text.splitlines() if not ln.startswith("\t")][-8:]}
+            "output_tail": output_tail(text.splitlines())}
+
+
+def output_tail(lines: list[str], n: int = 8) -> list[str]:
+    """The last `n` lines a command printed, without /usr/bin/time's report (tab-indented), progress bars (their
+    carriage-return redraws) or blank lines."""
+    kept = [ln for line in lines if not line.startswith("\t") for ln in line.split("\r")]
+    return [ln for ln in kept if ln.strip() and "%|" not in ln][-n:]
 
 
 def dir_bytes(path: Path) -> int:
