@@ -156,7 +156,7 @@ def test_a_qreconstruct_stage_fits_the_ptq_artifact_and_refuses_bad_settings(cap
     out = capfd.readouterr()
     assert code == 0, out.err[-2000:]
     assert (f"qat.reconstruct --artifact {run}/ptq --teacher {tiny_model_dir} --scale-lr 0.001 --epochs 1 "
-            f"--calib-windows 2 --calib-seq-len 32 --calib-corpus wikitext2-valid --out {run}/qreconstruct") in out.out
+            f"--calib-windows 2 --calib-seq-len 32 --calib-corpus wikitext2-valid --calib-sampling disjoint --out {run}/qreconstruct") in out.out
     manifest = json.loads((run / "qreconstruct" / "manifest.json").read_text())
     assert manifest["stage"] == "qreconstruct" and manifest["parent"]["path"] == str(run / "ptq")
     assert len(manifest["metrics"]["per_block"]) == 2 and manifest["settings"]["scale_lr"] == 1e-3

@@ -285,7 +285,7 @@ def test_a_reconstruct_stage_refits_the_pruned_mlps_and_refuses_bad_settings(cap
     out = capfd.readouterr()
     assert code == 0, out.err[-2000:]
     assert (f"prune.reconstruct --artifact {run}/prune --teacher {tiny_model_dir} --epochs 1 --inputs block --calib-windows 2 "
-            f"--calib-seq-len 32 --calib-corpus wikitext2-valid --out {run}/reconstruct") in out.out
+            f"--calib-seq-len 32 --calib-corpus wikitext2-valid --calib-sampling disjoint --out {run}/reconstruct") in out.out
     manifest = json.loads((run / "reconstruct" / "manifest.json").read_text())
     assert manifest["stage"] == "reconstruct" and manifest["parent"]["path"] == str(run / "prune")
     assert len(manifest["metrics"]["per_block"]) == 2  # the debug flavor's two blocks
