@@ -150,7 +150,8 @@ class SafetensorsReader:
 
     def get(self, name: str) -> torch.Tensor:
         """The whole tensor, checked finite."""
-        return self.rows(name, 0, self.shape(name)[0] if self.shape(name) else 1)
+        shape = self.shape(name)
+        return self.rows(name, 0, shape[0] if shape else 1)
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of a tensor (a 0-d tensor: the whole of it), checked finite."""

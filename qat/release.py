@@ -339,10 +339,9 @@ def build_release(artifact_dir: str | Path, out_dir: str | Path, overwrite: bool
         try:
             with tqdm(sorted(quantized), desc="pack", unit="module", leave=False) as bar:
                 for name in bar:
-                    w = src.get(f"{name}.weight")
-                    q = integer_codes(name, w, qparams[quantized[name]][0].float(), spec)
-                    del w
-                    packed = compress_module(name, q, qparams[quantized[name]][0].float(), spec, scheme)
+                    scale = qparams[quantized[name]][0].float()
+                    q = integer_codes(name, src.get(f"{name}.weight"), scale, spec)
+                    packed = compress_module(name, q, scale, spec, scheme)
                     if name in compressed:
                         packed = compressed_24(name, q, masks.mask(name), dense_rows.get(name), packed)
                     for key in sorted(packed):
